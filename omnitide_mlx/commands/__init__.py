@@ -1,0 +1,1 @@
+"""Subcommands of the ``omnitide`` CLI (see cli.py)."""

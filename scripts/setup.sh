@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Sets up .venv at the repository root with omnitide-mlx installed in editable mode.
+#   --dev   also the test dependencies (pytest, hypothesis, torch 2.13.0 CPU, transformers, ...) and, on
+#           Debian/Ubuntu as root, clang for the Metal-kernel checks.
+# On Debian/Ubuntu as root it installs OpenBLAS too: MLX's CPU wheel links a slow reference BLAS, and
+# scripts/blas_env.sh preloads OpenBLAS instead (55-67x faster float32 matmul).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEV=0
+for a in "$@"; do
+  case "$a" in
+    --dev) DEV=1 ;;
+    *) echo "usage: scripts/setup.sh [--dev]" >&2; exit 2 ;;
+  esac
+done
+
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  need=()
+  dpkg -s libopenblas0-pthread >/dev/null 2>&1 || need+=(libopenblas0-pthread)
+  if [ "$DEV" = 1 ]; then
+    command -v clang++-19 >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 || need+=(clang-19)
+  fi
+  if [ ${#need[@]} -gt 0 ]; then
+    echo "installing system packages: ${need[*]}"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  fi
+fi
+
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+if [ "$DEV" = 1 ]; then extras="dev"; else extras="plot"; fi
+.venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "import omnitide_mlx, mlx.core" || { echo "setup failed: omnitide_mlx does not import" >&2; exit 1; }
+echo "ready: .venv ($(.venv/bin/python -c 'import mlx.core as mx; print("mlx", mx.__version__)'))"
