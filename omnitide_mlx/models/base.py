@@ -15,12 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.units import Span, SpanKind, Unit, UnitKind
+from ..errors import MediaError  # noqa: F401  (re-exported: adapters raise it)
 from ..rope import RopeSpec
-
-
-class MediaError(ValueError):
-    """Input media the model cannot use (wrong shape, wrong sample rate, corrupt data). Raised before any cache
-    write, so a live session rejects the chunk and goes on."""
 
 
 @dataclass(frozen=True)
