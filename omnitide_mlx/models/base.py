@@ -102,6 +102,11 @@ class StreamAdapter(ABC):
         """A user's question or text turn, ending with the tokens that open the model's reply."""
 
     @abstractmethod
+    def context_unit(self, text: str, start: int) -> PreparedUnit:
+        """User text that joins the stream as context without asking for a reply (a caption, a note); it sits
+        in the user turn like a media unit does."""
+
+    @abstractmethod
     def embed_tokens(self, ids: list[int] | np.ndarray) -> mx.array:
         """Token embeddings ``[T, hidden]`` (used for decode steps and closing tokens)."""
 
