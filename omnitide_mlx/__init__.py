@@ -1,3 +1,38 @@
-"""omnitide-mlx: streaming omni-modal LLM inference on MLX with OmniPick retention and OmniPage paging."""
+"""omnitide-mlx: streaming omni-modal LLM inference on MLX with OmniPick retention and OmniPage paging.
+
+    import omnitide_mlx as ot
+    model, processor = ot.load("Qwen/Qwen2.5-Omni-3B")
+    session = ot.OmniSession((model, processor), policy=ot.OmniTide(high=2500, low=1800))
+"""
 
 __version__ = "0.1.0"
+
+# Lazy attributes: `omnitide --help` and the pure-Python core do not import MLX.
+_LAZY = {
+    "load": ("omnitide_mlx.models", "load"),
+    "OmniSession": ("omnitide_mlx.session", "OmniSession"),
+    "OmniCache": ("omnitide_mlx.cache", "OmniCache"),
+    "MediaError": ("omnitide_mlx.errors", "MediaError"),
+    "CheckpointError": ("omnitide_mlx.models.loading", "CheckpointError"),
+    "OmniTide": ("omnitide_mlx.core.pick", "OmniTide"),
+    "OmniPick": ("omnitide_mlx.core.pick", "OmniPick"),
+    "FullContext": ("omnitide_mlx.core.pick", "FullContext"),
+    "UnitFIFO": ("omnitide_mlx.core.pick", "UnitFIFO"),
+    "TokenSliding": ("omnitide_mlx.core.pick", "TokenSliding"),
+    "StreamingLLM": ("omnitide_mlx.core.pick", "StreamingLLM"),
+    "H2O": ("omnitide_mlx.core.pick", "H2O"),
+    "make_policy": ("omnitide_mlx.core.pick", "make_policy"),
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'omnitide_mlx' has no attribute {name!r}")
