@@ -1,0 +1,629 @@
+"""OmniPage: tile-aligned paged KV slots, retention-aware placement and selective migration (paper section 6).
+
+A :class:`PageTable` describes *where* every retained KV entry lives; it holds no tensors. The cache keeps one
+K/V buffer per layer whose row ``i`` is slot ``i`` of this table, so one table (and one migration plan) serves
+every layer. Slots are grouped in fixed pages (64 by default: one attention tile) split into subblocks (32: the
+decode kernel's tile). A page or subblock is *active* when it holds any retained entry; kernels skip the rest.
+
+Per slot the table records
+
+- ``seq``: a serial that increases with every allocated token and never changes afterwards (-1 = free). It is
+  the logical (causal) order of the entries: the attention mask shows key slot ``j`` to a query of serial ``q``
+  iff ``0 <= seq[j] <= q``. Migration moves ``seq`` with the entry, so the mask does not care where entries live.
+- ``unit``: the uid of the unit that owns the entry (-1 = free).
+- ``cls``: its :class:`AllocClass`, the placement group of paper figure 9 (-1 = free).
+
+Two placements: ``"first_fit"`` is what a plain KV cache does (llama.cpp's ``find_slot`` takes the lowest free
+cells after ``seq_rm`` resets its head): new tokens fill any hole, so new content mixes with old retained spans.
+``"class_aware"`` is OmniPage's: a new entry only goes to a page that is empty or holds entries of its own class.
+
+Migration plans (:class:`MigrationPlanner`) come in four modes: ``"native"`` (never move), ``"class_aware"``
+(paper 6.2, for tile-skipping kernels), ``"ordered_suffix"`` (paper 6.2, for kernels that traverse the span) and
+``"eager"`` (pack everything after every eviction; the reference oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import IntEnum
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+FREE = -1
+
+
+class LayoutError(ValueError):
+    """A bad request to the page table: an unknown slot, a double free, an illegal migration plan, ..."""
+
+
+class AllocClass(IntEnum):
+    """Placement group of an entry (paper figure 9)."""
+
+    MUST_KEEP = 0  # the protected system prefix
+    SELECTED_HISTORY = 1  # spans retained from older units, packed into full pages
+    RECENT_CONTEXT = 2  # new entries: recent units still retained in full
+
+
+_NUM_CLASSES = len(AllocClass)
+PLACEMENTS = ("first_fit", "class_aware")
+MIGRATION_MODES = ("native", "class_aware", "ordered_suffix", "eager")
+
+
+@dataclass(frozen=True)
+class LayoutStats:
+    """What a layout costs. ``physical_span`` is page-rounded: the slots a span-traversing kernel walks."""
+
+    retained_cells: int  # occupied slots (one per retained token)
+    physical_span: int  # (index of the last active page + 1) * page_size; 0 when empty
+    active_pages: int  # pages holding any retained entry (tiles a tile-skipping kernel reads)
+    active_subblocks: int  # subblocks holding any retained entry (the decode kernel's tiles)
+    holes: int  # physical_span - retained_cells: free slots attention still walks over
+    capacity: int  # slots backed by the buffer (grows a page at a time, never shrinks)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _stats_from_occupancy(occ: np.ndarray, page_size: int, subblock_size: int) -> LayoutStats:
+    cap = occ.shape[0]
+    retained = int(occ.sum())
+    if cap == 0:
+        return LayoutStats(0, 0, 0, 0, 0, 0)
+    per_page = occ.reshape(-1, page_size).any(axis=1)
+    per_sub = occ.reshape(-1, subblock_size).any(axis=1)
+    active = np.flatnonzero(per_page)
+    span = int(active[-1] + 1) * page_size if active.size else 0
+    return LayoutStats(retained, span, int(active.size), int(per_sub.sum()), span - retained, cap)
+
+
+class PageTable:
+    """Slot metadata of a paged KV buffer: occupancy, logical order, owner unit and class of every slot.
+
+    Invariants (checked by :meth:`validate`): every occupied slot has a distinct ``seq`` below ``next_seq``, an
+    owner and a class; free slots have none; the per-page and per-subblock counters match the slots.
+    """
+
+    def __init__(self, page_size: int = 64, subblock_size: int = 32, *, placement: str = "class_aware",
+                 capacity: int = 0):
+        if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
+            raise LayoutError(f"page_size must be a positive int, got {page_size!r}")
+        if not isinstance(subblock_size, (int, np.integer)) or subblock_size <= 0 or page_size % subblock_size:
+            raise LayoutError(f"subblock_size {subblock_size!r} must be positive and divide page_size {page_size}")
+        if placement not in PLACEMENTS:
+            raise LayoutError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
+        if capacity < 0 or capacity % page_size:
+            raise LayoutError(f"capacity {capacity} must be a non-negative multiple of page_size {page_size}")
+        self.page_size = int(page_size)
+        self.subblock_size = int(subblock_size)
+        self.placement = placement
+        self._seq = np.full(0, FREE, dtype=np.int64)
+        self._unit = np.full(0, FREE, dtype=np.int64)
+        self._cls = np.full(0, FREE, dtype=np.int8)
+        self._page_cls = np.zeros((0, _NUM_CLASSES), dtype=np.int32)  # entries of each class per page
+        self._next_seq = 0
+        self._partial: set[int] = set()  # units that lost tokens to a retention plan and still hold some
+        if capacity:
+            self.grow(capacity // page_size)
+
+    # --- shape ------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return int(self._seq.shape[0])
+
+    @property
+    def num_pages(self) -> int:
+        return self.capacity // self.page_size
+
+    @property
+    def next_seq(self) -> int:
+        """The serial the next allocated token gets."""
+        return self._next_seq
+
+    @property
+    def retained(self) -> int:
+        return int(self._page_cls.sum())
+
+    def grow(self, pages: int) -> None:
+        """Add ``pages`` empty pages at the end (the cache grows its buffers to match)."""
+        if pages < 0:
+            raise LayoutError(f"cannot grow by {pages} pages")
+        n = pages * self.page_size
+        self._seq = np.concatenate([self._seq, np.full(n, FREE, dtype=np.int64)])
+        self._unit = np.concatenate([self._unit, np.full(n, FREE, dtype=np.int64)])
+        self._cls = np.concatenate([self._cls, np.full(n, FREE, dtype=np.int8)])
+        self._page_cls = np.concatenate([self._page_cls, np.zeros((pages, _NUM_CLASSES), dtype=np.int32)])
+
+    # --- read-only views --------------------------------------------------------------------------------
+    @property
+    def seq(self) -> np.ndarray:
+        v = self._seq.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def unit(self) -> np.ndarray:
+        v = self._unit.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def cls(self) -> np.ndarray:
+        v = self._cls.view()
+        v.flags.writeable = False
+        return v
+
+    def occupancy(self) -> np.ndarray:
+        return self._seq >= 0
+
+    def active_pages(self) -> np.ndarray:
+        """Indices of pages holding any retained entry, ascending (the tiles attention reads)."""
+        return np.flatnonzero(self._page_cls.sum(axis=1) > 0)
+
+    def active_subblocks(self) -> np.ndarray:
+        """Indices of subblocks (``slot // subblock_size``) holding any retained entry, ascending."""
+        if self.capacity == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self.occupancy().reshape(-1, self.subblock_size).any(axis=1))
+
+    def stats(self) -> LayoutStats:
+        return _stats_from_occupancy(self.occupancy(), self.page_size, self.subblock_size)
+
+    def slots_of_unit(self, uid: int) -> np.ndarray:
+        """The slots of unit ``uid`` in token (logical) order."""
+        slots = np.flatnonzero(self._unit == uid)
+        return slots[np.argsort(self._seq[slots], kind="stable")]
+
+    def unit_sizes(self) -> dict[int, int]:
+        """uid -> number of retained entries."""
+        uids, counts = np.unique(self._unit[self._unit >= 0], return_counts=True)
+        return {int(u): int(c) for u, c in zip(uids, counts)}
+
+    def partial_units(self) -> frozenset[int]:
+        """Units that lost tokens to a retention plan and still hold entries (class-aware candidates)."""
+        return frozenset(self._partial)
+
+    # --- allocation ---------------------------------------------------------------------------------------
+    def _eligible_free(self, cls: AllocClass) -> np.ndarray:
+        free = self._seq < 0
+        if self.placement == "first_fit":
+            return np.flatnonzero(free)
+        counts = self._page_cls
+        others = counts.sum(axis=1) - counts[:, int(cls)]
+        page_ok = others == 0  # empty, or holds only entries of this class
+        return np.flatnonzero(free & np.repeat(page_ok, self.page_size))
+
+    def allocate(self, n: int, uid: int, cls: AllocClass | int = AllocClass.RECENT_CONTEXT) -> np.ndarray:
+        """Give ``n`` new tokens of unit ``uid`` a slot each; returns the slots in token order.
+
+        The tokens get serials ``next_seq .. next_seq + n - 1`` in that order. Placement takes the lowest
+        eligible free slots (see the module docstring) and grows the buffer a page at a time when short.
+        """
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise LayoutError(f"cannot allocate {n!r} slots")
+        if not isinstance(uid, (int, np.integer)) or uid < 0:
+            raise LayoutError(f"owner uid must be a non-negative int, got {uid!r}")
+        cls = AllocClass(cls)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        slots = self._eligible_free(cls)
+        if slots.size < n:
+            # new pages are empty, hence eligible for every class: grow just enough
+            missing = n - slots.size
+            first_new = self.capacity
+            self.grow(-(-missing // self.page_size))
+            slots = np.concatenate([slots, np.arange(first_new, first_new + missing, dtype=np.int64)])
+        slots = slots[:n].astype(np.int64)
+        self._seq[slots] = np.arange(self._next_seq, self._next_seq + n, dtype=np.int64)
+        self._unit[slots] = uid
+        self._cls[slots] = int(cls)
+        np.add.at(self._page_cls, (slots // self.page_size, int(cls)), 1)
+        self._next_seq += n
+        return slots
+
+    def _check_occupied(self, slots: np.ndarray, what: str) -> np.ndarray:
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size == 0:
+            return slots
+        if slots.min() < 0 or slots.max() >= self.capacity:
+            raise LayoutError(f"{what}: slot out of range [0, {self.capacity})")
+        if np.unique(slots).size != slots.size:
+            raise LayoutError(f"{what}: a slot is listed twice")
+        if (self._seq[slots] < 0).any():
+            bad = slots[self._seq[slots] < 0][:5].tolist()
+            raise LayoutError(f"{what}: slots {bad} are free")
+        return slots
+
+    def free(self, slots: Iterable[int] | np.ndarray) -> None:
+        """Release occupied slots (their entries are gone; the slots may be reused)."""
+        slots = self._check_occupied(np.asarray(list(slots) if not isinstance(slots, np.ndarray) else slots),
+                                     "free")
+        if slots.size == 0:
+            return
+        np.add.at(self._page_cls, (slots // self.page_size, self._cls[slots].astype(np.int64)), -1)
+        self._seq[slots] = FREE
+        self._unit[slots] = FREE
+        self._cls[slots] = FREE
+        live = set(np.unique(self._unit[self._unit >= 0]).tolist()) if self._partial else set()
+        self._partial &= live
+
+    def set_class(self, slots: np.ndarray, cls: AllocClass | int) -> None:
+        """Re-tag occupied slots (placement metadata only; the cache's tensors do not change)."""
+        slots = self._check_occupied(slots, "set_class")
+        cls = AllocClass(cls)
+        np.add.at(self._page_cls, (slots // self.page_size, self._cls[slots].astype(np.int64)), -1)
+        self._cls[slots] = int(cls)
+        np.add.at(self._page_cls, (slots // self.page_size, int(cls)), 1)
+
+    def apply_retention(self, plan: Any) -> np.ndarray:
+        """Free the slots of the tokens a retention plan deletes; returns them (the cache drops those rows).
+
+        ``plan`` is a :class:`~omnitide_mlx.core.pick.RetentionPlan` (any object with ``units`` whose items have
+        ``uid``, ``length``, ``deleted`` unit-local ranges and ``dropped``). A unit's k-th token lives in its
+        k-th slot in ``seq`` order, so the table must hold exactly ``length`` entries of every planned unit that
+        loses tokens. Units that keep some tokens become class-aware migration candidates.
+        """
+        freed: list[np.ndarray] = []
+        touched: list[tuple[int, bool]] = []
+        for up in plan.units:
+            if not up.deleted:
+                continue
+            slots = self.slots_of_unit(up.uid)
+            if slots.size != up.length:
+                raise LayoutError(f"unit {up.uid}: the table holds {slots.size} entries, the plan expects "
+                                  f"{up.length}; cache and history are out of sync")
+            for a, b in up.deleted:
+                freed.append(slots[a:b])
+            touched.append((up.uid, bool(up.dropped)))
+        out = np.concatenate(freed) if freed else np.zeros(0, dtype=np.int64)
+        self.free(out)
+        for uid, dropped in touched:
+            if dropped:
+                self._partial.discard(uid)
+            else:
+                self._partial.add(uid)
+        return out
+
+    # --- migration ----------------------------------------------------------------------------------------
+    def apply_migration(self, plan: "MigrationPlan") -> None:
+        """Move entries' metadata as ``plan`` says (after the cache copied the K/V rows) and promote pages."""
+        if not plan.accepted:
+            raise LayoutError(f"migration plan ({plan.mode}) was not accepted: {plan.reason}")
+        if plan.before != self.stats():
+            raise LayoutError("migration plan was made for a different layout (plan it on this table, now)")
+        check_move_order(plan.src, plan.dst, self.occupancy())
+        src, dst = plan.src, plan.dst
+        if src.size:
+            seq, unit, cls = self._seq[src].copy(), self._unit[src].copy(), self._cls[src].copy()
+            np.add.at(self._page_cls, (src // self.page_size, cls.astype(np.int64)), -1)
+            self._seq[src] = FREE
+            self._unit[src] = FREE
+            self._cls[src] = FREE
+            self._seq[dst], self._unit[dst], self._cls[dst] = seq, unit, cls
+            np.add.at(self._page_cls, (dst // self.page_size, cls.astype(np.int64)), 1)
+        for p in plan.promote:
+            sl = np.arange(p * self.page_size, (p + 1) * self.page_size)
+            self.set_class(sl[self._seq[sl] >= 0], AllocClass.SELECTED_HISTORY)
+
+    # --- checks and persistence ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`LayoutError` if an invariant is broken (slot accounting, counters, serials)."""
+        occ = self._seq >= 0
+        if not np.array_equal(occ, self._unit >= 0) or not np.array_equal(occ, self._cls >= 0):
+            raise LayoutError("a slot is half free: seq, unit and class disagree")
+        seqs = self._seq[occ]
+        if np.unique(seqs).size != seqs.size:
+            raise LayoutError("two slots share a serial")
+        if seqs.size and seqs.max() >= self._next_seq:
+            raise LayoutError("a serial is not below next_seq")
+        counts = np.zeros_like(self._page_cls)
+        slots = np.flatnonzero(occ)
+        np.add.at(counts, (slots // self.page_size, self._cls[slots].astype(np.int64)), 1)
+        if not np.array_equal(counts, self._page_cls):
+            raise LayoutError("per-page class counters do not match the slots")
+        if not self._partial <= set(self.unit_sizes()):
+            raise LayoutError("a partial unit holds no entries")
+
+    def check_history(self, history: Any) -> None:
+        """Raise unless the table holds exactly one entry per token of every unit of ``history``."""
+        sizes = self.unit_sizes()
+        want = {u.uid: u.length for u in history}
+        if sizes != want:
+            diff = sorted(set(sizes.items()) ^ set(want.items()))[:6]
+            raise LayoutError(f"table and history disagree (uid, tokens): {diff}")
+
+    def state(self) -> dict:
+        """A JSON-able snapshot (save / restore)."""
+        occ = np.flatnonzero(self._seq >= 0)
+        return {
+            "page_size": self.page_size,
+            "subblock_size": self.subblock_size,
+            "placement": self.placement,
+            "capacity": self.capacity,
+            "next_seq": self._next_seq,
+            "slots": occ.tolist(),
+            "seq": self._seq[occ].tolist(),
+            "unit": self._unit[occ].tolist(),
+            "cls": self._cls[occ].astype(int).tolist(),
+            "partial": sorted(self._partial),
+        }
+
+    @classmethod
+    def from_state(cls, d: Mapping[str, Any]) -> "PageTable":
+        try:
+            t = cls(int(d["page_size"]), int(d["subblock_size"]), placement=d["placement"],
+                    capacity=int(d["capacity"]))
+            slots = np.asarray(d["slots"], dtype=np.int64)
+            seq = np.asarray(d["seq"], dtype=np.int64)
+            unit = np.asarray(d["unit"], dtype=np.int64)
+            klass = np.asarray(d["cls"], dtype=np.int64)
+            next_seq, partial = int(d["next_seq"]), {int(u) for u in d["partial"]}
+        except (KeyError, TypeError, ValueError) as e:
+            raise LayoutError(f"bad page-table state: {e}") from e
+        if not (slots.shape == seq.shape == unit.shape == klass.shape):
+            raise LayoutError("bad page-table state: slot, seq, unit and cls lists differ in length")
+        if slots.size and (slots.min() < 0 or slots.max() >= t.capacity or np.unique(slots).size != slots.size):
+            raise LayoutError("bad page-table state: slots out of range or repeated")
+        if slots.size and (seq.min() < 0 or unit.min() < 0 or klass.min() < 0 or klass.max() >= _NUM_CLASSES):
+            raise LayoutError("bad page-table state: negative serial / owner or unknown class")
+        t._seq[slots], t._unit[slots], t._cls[slots] = seq, unit, klass
+        np.add.at(t._page_cls, (slots // t.page_size, klass), 1)
+        t._next_seq = next_seq
+        t._partial = partial
+        t.validate()
+        return t
+
+    def copy(self) -> "PageTable":
+        t = PageTable(self.page_size, self.subblock_size, placement=self.placement)
+        t._seq, t._unit, t._cls = self._seq.copy(), self._unit.copy(), self._cls.copy()
+        t._page_cls = self._page_cls.copy()
+        t._next_seq, t._partial = self._next_seq, set(self._partial)
+        return t
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PageTable(page={self.page_size}, sub={self.subblock_size}, {self.placement}, "
+                f"retained={s.retained_cells}, span={s.physical_span}, pages={s.active_pages}, cap={s.capacity})")
+
+
+def check_move_order(src: np.ndarray, dst: np.ndarray, occupied: np.ndarray) -> None:
+    """The executor contract of a migration plan; raises :class:`LayoutError` when broken.
+
+    - ``src`` and ``dst`` are int arrays of equal length; sources are distinct occupied slots, destinations
+      distinct in-range slots, and no move is a no-op (``src[i] != dst[i]``).
+    - Every destination is free before the plan or is the source of an *earlier* move in the list
+      (``dst[i] == src[j]`` only for ``j < i``). Hence no move reads a slot an earlier move has written (each
+      entry moves once), and applying the moves one by one in list order is correct. A gather of all sources
+      followed by a scatter to all destinations (the cache's way) is correct too, since destinations are
+      distinct; slots that are a source and no destination end up free.
+    """
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise LayoutError(f"migration: src {src.shape} and dst {dst.shape} must be equal-length 1-D arrays")
+    if src.size == 0:
+        return
+    cap = occupied.shape[0]
+    if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= cap:
+        raise LayoutError(f"migration: slot out of range [0, {cap})")
+    if np.unique(src).size != src.size:
+        raise LayoutError("migration: an entry is moved twice (repeated source)")
+    if np.unique(dst).size != dst.size:
+        raise LayoutError("migration: two moves write the same destination")
+    if (src == dst).any():
+        raise LayoutError("migration: a move onto its own slot")
+    if not occupied[src].all():
+        raise LayoutError(f"migration: sources {src[~occupied[src]][:5].tolist()} are free")
+    order = {int(s): i for i, s in enumerate(src)}
+    for i, d in enumerate(dst.tolist()):
+        j = order.get(d)
+        if j is None:
+            if occupied[d]:
+                raise LayoutError(f"migration: destination {d} holds an entry that no move reads")
+        elif j >= i:
+            raise LayoutError(f"migration: move {i} writes slot {d} before move {j} reads it")
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """One source -> destination slot map shared by every layer (see :func:`check_move_order`).
+
+    ``before`` / ``after`` are the layouts without and with the moves; ``promote`` lists pages whose entries
+    become SELECTED_HISTORY once the moves are applied. Only an ``accepted`` plan may be applied.
+    """
+
+    mode: str
+    src: np.ndarray
+    dst: np.ndarray
+    before: LayoutStats
+    after: LayoutStats
+    accepted: bool
+    promote: tuple[int, ...] = ()
+    reason: str = ""
+
+    @property
+    def moved(self) -> int:
+        """Entries copied when the plan is applied (0 for a rejected plan)."""
+        return int(self.src.size) if self.accepted else 0
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "src": self.src.tolist(), "dst": self.dst.tolist(),
+                "before": self.before.to_json(), "after": self.after.to_json(), "accepted": self.accepted,
+                "promote": list(self.promote), "reason": self.reason}
+
+
+@dataclass
+class MigrationPlanner:
+    """Plans entry moves after an eviction (paper 6.2). One planner per layout; ``plan`` never mutates the table.
+
+    - ``"class_aware"``: candidates are the entries of partially evicted units that sit in pages not already
+      full, scanned in physical order from the end (two-finger compaction); each goes to the lowest free slot
+      before it in a page that is empty or holds only its class. Moves whose source subblock would not end empty are pruned (they cannot make any
+      tile skippable) and the rest re-planned. Pages left full of candidate entries are promoted to
+      SELECTED_HISTORY. Accepted iff active pages or active subblocks decrease.
+    - ``"ordered_suffix"``: scanning back from the last entry, the shortest suffix (in physical order) whose
+      order-preserving packing right after the preceding entry shrinks the page-rounded span by at least
+      ``min_gain_pages``; moves entries of any class. Accepted iff such a suffix exists.
+    - ``"eager"``: packs every entry into ``[0, retained)`` in physical order. Accepted iff anything moves.
+    - ``"native"``: never moves.
+    """
+
+    mode: str = "class_aware"
+    min_gain_pages: int = 1
+    promote: bool = True
+    max_rounds: int = 64  # class-aware prune/re-plan rounds (each round drops at least one candidate)
+    _empty: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+
+    def __post_init__(self):
+        if self.mode not in MIGRATION_MODES:
+            raise LayoutError(f"unknown migration mode {self.mode!r}; choose one of {MIGRATION_MODES}")
+        if self.min_gain_pages < 1:
+            raise LayoutError(f"min_gain_pages must be >= 1, got {self.min_gain_pages}")
+
+    def plan(self, table: PageTable) -> MigrationPlan:
+        before = table.stats()
+        if self.mode == "native":
+            return MigrationPlan("native", self._empty, self._empty, before, before, False, (),
+                                 "the native layout never moves entries")
+        occ = table.occupancy()
+        if self.mode == "eager":
+            src, dst = _eager_moves(occ)
+            promote: tuple[int, ...] = ()
+        elif self.mode == "ordered_suffix":
+            src, dst = _ordered_suffix_moves(occ, table.page_size, self.min_gain_pages)
+            promote = ()
+        else:
+            src, dst, promote = self._class_aware(table)
+        after = _stats_after(occ, src, dst, table.page_size, table.subblock_size)
+        if src.size == 0:
+            return MigrationPlan(self.mode, src, dst, before, after, False, (), "no move improves the layout")
+        if self.mode == "class_aware":
+            ok = after.active_pages < before.active_pages or after.active_subblocks < before.active_subblocks
+            reason = ("frees tiles" if ok else "moves would leave as many active pages and subblocks")
+        elif self.mode == "ordered_suffix":
+            ok = before.physical_span - after.physical_span >= self.min_gain_pages * table.page_size
+            reason = "shortens the span" if ok else "gain below threshold"
+        else:
+            ok, reason = True, "eager compaction"
+        return MigrationPlan(self.mode, src, dst, before, after, ok, promote if ok and self.promote else (),
+                             reason)
+
+    # class-aware packing ---------------------------------------------------------------------------------
+    def _class_aware(self, table: PageTable) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+        P, S = table.page_size, table.subblock_size
+        occ = table.occupancy()
+        partial = table.partial_units()
+        if not partial:
+            return self._empty, self._empty, ()
+        page_full = occ.reshape(-1, P).all(axis=1)
+        is_cand = np.isin(table._unit, np.fromiter(partial, dtype=np.int64)) & occ
+        is_cand &= ~np.repeat(page_full, P)
+        cand = np.flatnonzero(is_cand)
+        free = np.flatnonzero(~occ)
+        src = dst = self._empty
+        for _ in range(self.max_rounds):
+            if cand.size == 0 or free.size == 0:
+                return self._empty, self._empty, ()
+            src, dst = _pack_into_earlier(table, cand, free)
+            if src.size == 0:
+                return self._empty, self._empty, ()
+            # prune moves whose source subblock keeps an entry after the plan: they free no tile
+            occ_after = occ.copy()
+            occ_after[src] = False
+            occ_after[dst] = True
+            sub_busy = occ_after.reshape(-1, S).any(axis=1)
+            useless = sub_busy[src // S]
+            if not useless.any():
+                break
+            keep_out = set(src[useless].tolist())
+            # candidates that could not move at all also stay; drop both from the candidate list
+            moved = set(src.tolist())
+            cand = np.array([c for c in cand.tolist() if c in moved and c not in keep_out], dtype=np.int64)
+        else:
+            return self._empty, self._empty, ()
+        promote: list[int] = []
+        if self.promote and src.size:
+            occ_after = occ.copy()
+            occ_after[src] = False
+            occ_after[dst] = True
+            owner = table._unit.copy()
+            owner[dst] = table._unit[src]
+            owner[src[~np.isin(src, dst)]] = FREE
+            for p in np.unique(dst // P).tolist():
+                sl = slice(p * P, (p + 1) * P)
+                if occ_after[sl].all() and np.isin(owner[sl], np.fromiter(partial, dtype=np.int64)).all():
+                    promote.append(int(p))
+        return src, dst, tuple(promote)
+
+
+def _pack_into_earlier(table: PageTable, cand: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two-finger packing: candidates from the last one backwards each take the lowest unused free slot before
+    them whose page is empty or holds only the candidate's class; a class stops once its lowest usable hole
+    is past its next candidate. Destinations are free slots only, so sources and destinations are disjoint.
+    One cursor per class suffices: a page's eligibility only narrows as the plan fills it."""
+    P = table.page_size
+    page_cls = table._page_cls.copy()
+    taken = np.zeros(free.size, dtype=bool)
+    cursor = [0] * _NUM_CLASSES
+    done = [False] * _NUM_CLASSES
+    src: list[int] = []
+    dst: list[int] = []
+    klass = table._cls
+    for c in cand[::-1].tolist():
+        k = int(klass[c])
+        if done[k]:
+            continue
+        i = cursor[k]
+        while i < free.size and int(free[i]) < c:
+            if not taken[i]:
+                row = page_cls[int(free[i]) // P]
+                if row.sum() == row[k]:
+                    break
+            i += 1
+        cursor[k] = i
+        if i >= free.size or int(free[i]) >= c:
+            done[k] = True
+            continue
+        taken[i] = True
+        f = int(free[i])
+        page_cls[f // P, k] += 1  # sources are not subtracted: eligibility only narrows
+        src.append(c)
+        dst.append(f)
+        cursor[k] = i + 1
+    return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+
+
+def _eager_moves(occ: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    slots = np.flatnonzero(occ)
+    target = np.arange(slots.size, dtype=np.int64)
+    moving = slots != target
+    return slots[moving].astype(np.int64), target[moving]
+
+
+def _ordered_suffix_moves(occ: np.ndarray, page_size: int, min_gain_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    slots = np.flatnonzero(occ)
+    m = slots.size
+    if m == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    old_pages = int(slots[-1]) // page_size + 1
+    # suffix = entries k..m-1, packed to start right after entry k-1 (slot -1 when k == 0)
+    prev = np.concatenate([[-1], slots[:-1]])  # prev[k] = slot of entry k-1
+    new_last = prev + (m - np.arange(m))  # last slot after packing suffix k
+    gain = old_pages - (new_last // page_size + 1)
+    ok = np.flatnonzero(gain >= min_gain_pages)
+    if ok.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    k = int(ok[-1])  # the shortest qualifying suffix (scanning back from the end)
+    target = prev[k] + 1 + np.arange(m - k, dtype=np.int64)
+    moving = slots[k:] != target
+    return slots[k:][moving].astype(np.int64), target[moving]
+
+
+def _stats_after(occ: np.ndarray, src: np.ndarray, dst: np.ndarray, page_size: int, subblock_size: int
+                 ) -> LayoutStats:
+    if src.size == 0:
+        return _stats_from_occupancy(occ, page_size, subblock_size)
+    o = occ.copy()
+    o[src] = False
+    o[dst] = True
+    return _stats_from_occupancy(o, page_size, subblock_size)
