@@ -1,0 +1,48 @@
+"""MiniCPM-o 4.5 (OpenBMB): Qwen3-8B LLM, SigLIP + resampler with image slices, streaming Whisper audio.
+
+``load_model(path, config)`` is what ``omnitide_mlx.load`` calls for ``model_type`` "minicpmo": it reads the
+official checkpoint layout (or a folder written by ``omnitide convert``) and returns ``(model, processor)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..loading import CheckpointError, apply_quantization, load_safetensors, load_weights_strict
+from .config import ConfigError, ModelConfig
+from .model import Model
+from .processor import MiniCPMOProcessor
+
+__all__ = ["ConfigError", "MiniCPMOProcessor", "Model", "ModelConfig", "load_model"]
+
+
+def load_model(path: Path, config: dict, dtype: mx.Dtype | None = None, lazy: bool = False, **_):
+    """Build the model from ``config``, load and check every weight, and the processor from the same folder.
+
+    ``dtype``: cast floating weights (e.g. ``mx.float32`` on CPU; default: as stored). Raises
+    ``CheckpointError`` (the config does not describe a model this port runs, or the weights do not match it,
+    with every missing / unexpected / mis-shaped key listed).
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_dict(config)
+    model = Model(cfg)
+    weights = load_safetensors(path)
+    if not cfg.converted:
+        weights = model.sanitize(weights)
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    apply_quantization(model, config, weights)
+    load_weights_strict(model, weights, what=f"checkpoint in {path}")
+    if not lazy:
+        mx.eval(model.parameters())
+    try:
+        processor = MiniCPMOProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: the tokenizer / processor files do not load ({e})") from None
+    if len(processor.tokenizer) > cfg.text.vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer has {len(processor.tokenizer)} tokens but vocab_size is "
+                              f"{cfg.text.vocab_size}")
+    model.eval()
+    return model, processor

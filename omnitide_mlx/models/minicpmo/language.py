@@ -1,0 +1,168 @@
+"""Qwen3, MiniCPM-o 4.5's language model: GQA attention with RMSNorm on q and k per head, plain NeoX RoPE.
+
+Attention goes through the cache the way docs/design.md fixes it: an ``OmniCache`` (begin_step / per-layer
+``attend`` / end_step), an mlx-lm ``KVCache`` / ``RotatingKVCache`` list (``update_and_fetch``), or None.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ...rope import RopeSpec
+from .config import TextConfig
+
+
+def _is_omni_cache(cache) -> bool:
+    return cache is not None and hasattr(cache, "begin_step") and hasattr(cache, "end_step")
+
+
+def rope_at(x: mx.array, positions: int | mx.array, dims: int, base: float) -> mx.array:
+    """NeoX RoPE on ``x`` [B, H, T, D] at ``positions``: a start offset (contiguous tokens) or one position per
+    token ([T] int array)."""
+    if isinstance(positions, int):
+        return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=positions)
+    b, h, t, d = x.shape
+    y = x.transpose(2, 0, 1, 3).reshape(t, b * h, 1, d)
+    y = mx.fast.rope(y, dims, traditional=False, base=base, scale=1.0, offset=positions.astype(mx.int32))
+    return y.reshape(t, b, h, d).transpose(1, 2, 0, 3)
+
+
+def normalize_positions(positions, length: int, cache) -> int | mx.array:
+    """The RoPE positions of ``length`` new tokens: an int start when they are contiguous, else an int32 array.
+
+    ``positions`` may be None (continue after the cache), an int start, or a [T] / [1, T] array.
+    """
+    if positions is None:
+        if cache is None:
+            return 0
+        if _is_omni_cache(cache):
+            raise ValueError("pass positions explicitly with an OmniCache (the cache stores no logical positions)")
+        return int(cache[0].offset)
+    if isinstance(positions, (int, np.integer)):
+        return int(positions)
+    p = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if p.shape[0] != length:
+        raise ValueError(f"{p.shape[0]} positions for {length} tokens")
+    if length and np.array_equal(p, p[0] + np.arange(length)):
+        return int(p[0])
+    return mx.array(p.astype(np.int32))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TextConfig):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.rope_base = args.rope_theta
+        dim = args.hidden_size
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, positions, cache) -> mx.array:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = rope_at(q, positions, self.head_dim, self.rope_base)
+        k = rope_at(k, positions, self.head_dim, self.rope_base)
+        if cache is not None and hasattr(cache, "attend"):  # OmniLayerCache
+            out = cache.attend(q, k, v, self.scale)
+        else:
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                                       mask="causal" if t > 1 else None)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: TextConfig):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, positions, cache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), positions, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, args: TextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class LanguageModel(nn.Module):
+    """``language_model(inputs_embeds [1, T, H], cache, positions [T])`` -> logits [1, T, vocab]."""
+
+    def __init__(self, args: TextConfig):
+        super().__init__()
+        self.args = args
+        self.model = Qwen3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def embed_tokens(self, ids) -> mx.array:
+        return self.model.embed_tokens(mx.array(np.asarray(ids, dtype=np.int32)) if not isinstance(ids, mx.array)
+                                       else ids)
+
+    def hidden_states(self, inputs_embeds: mx.array, cache=None, positions=None) -> mx.array:
+        """The final-norm hidden states [B, T, H] (what the logits are computed from)."""
+        if inputs_embeds.ndim == 2:
+            inputs_embeds = inputs_embeds[None]
+        t = inputs_embeds.shape[1]
+        pos = normalize_positions(positions, t, cache)
+        omni = _is_omni_cache(cache)
+        if omni:
+            cache.begin_step(t)
+            layer_caches = cache.layers
+        else:
+            layer_caches = cache if cache is not None else [None] * len(self.model.layers)
+        h = inputs_embeds
+        for layer, c in zip(self.model.layers, layer_caches):
+            h = layer(h, pos, c)
+        if omni:
+            cache.end_step()
+        return self.model.norm(h)
+
+    def __call__(self, inputs_embeds: mx.array, cache=None, positions=None) -> mx.array:
+        h = self.hidden_states(inputs_embeds, cache, positions)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def make_cache(self):
+        """One mlx-lm ``KVCache`` per layer (plain, unbounded: for tests and the simplex session)."""
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.model.layers]
+
+    def rope_spec(self) -> RopeSpec:
+        return RopeSpec(self.args.head_dim, self.args.rope_theta, traditional=False)
