@@ -98,6 +98,8 @@ class Unit:
 
     ``positions`` has shape ``(axes, length)``: the logical RoPE position of every token (axes = 1 for plain
     RoPE, 3 for M-RoPE). ``t`` is the stream time in seconds the unit stands for, when it has one.
+    ``trimmed`` is set once a retention plan has deleted some of the unit's tokens (OmniPick drops such
+    partially retained units before complete ones).
     """
 
     uid: int
@@ -106,6 +108,7 @@ class Unit:
     positions: np.ndarray
     t: float | None = None
     label: str = ""
+    trimmed: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kind, UnitKind):
@@ -192,6 +195,7 @@ class Unit:
             "positions": self.positions.tolist(),
             "t": self.t,
             "label": self.label,
+            "trimmed": self.trimmed,
         }
 
     @classmethod
@@ -203,6 +207,7 @@ class Unit:
             positions=np.asarray(d["positions"], dtype=np.int64),
             t=d.get("t"),
             label=d.get("label", ""),
+            trimmed=bool(d.get("trimmed", False)),
         )
 
 
