@@ -129,9 +129,10 @@ class LanguageModel(nn.Module):
     def layers(self):
         return self.model.layers
 
-    def embed_tokens(self, ids) -> mx.array:
-        return self.model.embed_tokens(mx.array(np.asarray(ids, dtype=np.int32)) if not isinstance(ids, mx.array)
-                                       else ids)
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The token embedding (call it with an int32 ``mx.array`` of ids)."""
+        return self.model.embed_tokens
 
     def hidden_states(self, inputs_embeds: mx.array, cache=None, positions=None) -> mx.array:
         """The final-norm hidden states [B, T, H] (what the logits are computed from)."""
