@@ -1,0 +1,329 @@
+"""Tile-skipping attention over a paged KV cache: one contract, a Metal kernel and an MLX-ops reference.
+
+Contract (docs/design.md): ``q`` [1, Hq, T, D]; ``k_buf``, ``v_buf`` [1, Hkv, capacity, D] (float16, bfloat16 or
+float32); ``slot_seq`` [capacity] int32, -1 for a free slot; ``q_seq`` [T] int32; ``tiles``: ids of the active tiles,
+``tile`` consecutive slots each (64 on the prefill path, 32 on the decode path). Key slot ``j`` is visible to query
+``i`` iff ``0 <= slot_seq[j] <= q_seq[i]``; Hq must be a multiple of Hkv (GQA). Only slots inside the listed tiles
+are ever read, so a layout with fewer active tiles costs less. Scores and softmax are accumulated in float32; the
+output has q's dtype. A query that sees no key gets zeros.
+
+On an Apple GPU the Metal kernel in ``metal/tile_skip_attention.metal`` runs through ``mx.fast.metal_kernel``.
+Everywhere else (and as the oracle) the reference below runs with MLX ops. What it does was chosen by measurement on
+the CPU backend with OpenBLAS preloaded (docs/benchmarks.md): matmul-softmax-matmul with the query heads of a KV
+head stacked as rows (GQA without repeating K) is 2-3.5x faster than ``mx.fast.scaled_dot_product_attention`` for
+decode and as fast for prefill; a contiguous run of tiles is sliced, not copied; decode over a few runs computes
+scores per run (no K/V copy), otherwise the active tiles are gathered; queries go in blocks that bound the score
+matrix and skip the tiles no query of the block can see yet (causal skipping inside the new chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from importlib import resources
+
+import mlx.core as mx
+import numpy as np
+
+PREFILL_TILE = 64  # OmniPage page = llama.cpp Metal flash-attention KV tile
+DECODE_TILE = 32  # OmniPage subblock = llama.cpp Metal vector-kernel KV block
+_NO_SEQ = np.iinfo(np.int32).max  # key_seq of a free slot: visible to no query
+SCORE_BUDGET = 1 << 25  # float32 score elements per query block of the reference path (128 MB)
+DECODE_MAX_RUNS = 16  # decode: at most this many runs are scored run by run instead of gathered
+METAL_EMPTY = -1.0e30  # the kernel's log-sum-exp of an empty partial (finite: Metal runs with fast math)
+
+
+class AttentionError(ValueError):
+    """Arguments that break the tile_skip_attention contract."""
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Host-side facts about one step's visible tiles, built once per step and shared by every layer."""
+
+    tile: int
+    capacity: int
+    tiles: np.ndarray  # sorted active tile ids (int64)
+    tile_min: np.ndarray  # per active tile: the smallest seq it holds (_NO_SEQ when it holds none)
+    q_seq_np: np.ndarray  # [T] int64
+    slot_seq: mx.array  # [capacity] int32, as given (the Metal kernel reads it)
+    key_seq: mx.array  # [capacity] int32, free slots -> _NO_SEQ (one comparison masks holes and the future)
+    q_seq: mx.array  # [T] int32
+    tiles_mx: mx.array  # [n_tiles] int32
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self.tiles.shape[0])
+
+    @property
+    def active_slots(self) -> int:
+        return self.n_tiles * self.tile
+
+
+def plan_tiles(slot_seq, q_seq, tiles, tile: int = PREFILL_TILE) -> TilePlan:
+    """Validate the page-table side of the contract and precompute what every layer's call needs."""
+    if tile not in (PREFILL_TILE, DECODE_TILE):
+        raise AttentionError(f"tile must be {PREFILL_TILE} (prefill) or {DECODE_TILE} (decode), got {tile}")
+    seq = np.asarray(slot_seq).astype(np.int64, copy=False).reshape(-1)
+    qs = np.asarray(q_seq).astype(np.int64, copy=False).reshape(-1)
+    capacity = int(seq.shape[0])
+    if capacity % tile:
+        raise AttentionError(f"capacity {capacity} is not a multiple of the tile size {tile}")
+    if qs.size and qs.min() < 0:
+        raise AttentionError("q_seq must be >= 0")
+    t = np.asarray(tiles, dtype=np.int64).reshape(-1)
+    t = np.sort(t)
+    if t.size:
+        if t[0] < 0 or t[-1] >= capacity // tile:
+            raise AttentionError(f"tile ids must lie in [0, {capacity // tile}), got [{t[0]}, {t[-1]}]")
+        if np.any(t[1:] == t[:-1]):
+            raise AttentionError("tile ids must be unique")
+    key = np.where(seq < 0, _NO_SEQ, seq)
+    tile_min = key.reshape(-1, tile)[t].min(axis=1) if t.size else np.zeros(0, np.int64)
+    return TilePlan(
+        tile=tile,
+        capacity=capacity,
+        tiles=t,
+        tile_min=tile_min,
+        q_seq_np=qs,
+        slot_seq=mx.array(seq.astype(np.int32)),
+        key_seq=mx.array(key.astype(np.int32)),
+        q_seq=mx.array(qs.astype(np.int32)),
+        tiles_mx=mx.array(t.astype(np.int32)),
+    )
+
+
+def _check_arrays(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: TilePlan) -> None:
+    if q.ndim != 4 or q.shape[0] != 1:
+        raise AttentionError(f"q must be [1, Hq, T, D], got {tuple(q.shape)}")
+    if k_buf.ndim != 4 or k_buf.shape[0] != 1 or tuple(k_buf.shape) != tuple(v_buf.shape):
+        raise AttentionError(f"k_buf and v_buf must both be [1, Hkv, capacity, D], got {tuple(k_buf.shape)} "
+                             f"and {tuple(v_buf.shape)}")
+    _, hq, t, d = q.shape
+    _, hkv, cap, dk = k_buf.shape
+    if dk != d:
+        raise AttentionError(f"head_dim differs: q {d}, k {dk}")
+    if hq % hkv:
+        raise AttentionError(f"query heads {hq} are not a multiple of KV heads {hkv}")
+    if cap != plan.capacity:
+        raise AttentionError(f"buffers hold {cap} slots, slot_seq {plan.capacity}")
+    if t != plan.q_seq_np.shape[0]:
+        raise AttentionError(f"q has {t} tokens, q_seq {plan.q_seq_np.shape[0]}")
+    for name, a in (("k_buf", k_buf), ("v_buf", v_buf)):
+        if a.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+            raise AttentionError(f"{name} must be float16, bfloat16 or float32, got {a.dtype}")
+
+
+def backend() -> str:
+    """'metal' on an Apple GPU, else 'reference'; OMNITIDE_KERNELS=reference|metal forces one."""
+    forced = os.environ.get("OMNITIDE_KERNELS", "auto")
+    if forced == "reference":
+        return "reference"
+    on_gpu = mx.metal.is_available() and mx.default_device() == mx.gpu
+    if forced == "metal" and not on_gpu:
+        raise RuntimeError("OMNITIDE_KERNELS=metal but no Metal GPU is the default device")
+    return "metal" if on_gpu else "reference"
+
+
+def tile_skip_attention(q, k_buf, v_buf, slot_seq=None, q_seq=None, tiles=None, scale: float = 1.0,
+                        tile: int = PREFILL_TILE, *, return_scores: bool = False, plan: TilePlan | None = None):
+    """Attention of ``q`` over the active tiles of a paged cache (see the module docstring for the contract).
+
+    ``plan`` (from ``plan_tiles``) replaces ``slot_seq`` / ``q_seq`` / ``tiles`` / ``tile`` when a caller attends
+    several layers with one page table. With ``return_scores`` it also returns the attention each slot received,
+    summed over query heads and queries, float32 [capacity] (H2O); that runs the reference path.
+    """
+    if plan is None:
+        if slot_seq is None or q_seq is None or tiles is None:
+            raise AttentionError("pass slot_seq, q_seq and tiles, or a plan")
+        plan = plan_tiles(slot_seq, q_seq, tiles, tile)
+    _check_arrays(q, k_buf, v_buf, plan)
+    if return_scores or backend() == "reference" or q.shape[-1] % 32:
+        return reference_attention(q, k_buf, v_buf, plan, scale, return_scores=return_scores)
+    return metal_attention(q, k_buf, v_buf, plan, scale)
+
+
+# --- reference (MLX ops) ------------------------------------------------------------------------------------------
+
+def _runs(tiles: np.ndarray, tile: int) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive tile ids, as slot ranges ``[start, end)``."""
+    if tiles.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(tiles) != 1)[0] + 1
+    return [(int(r[0]) * tile, (int(r[-1]) + 1) * tile) for r in np.split(tiles, breaks)]
+
+
+def _softmax_rows(s: mx.array) -> mx.array:
+    return mx.softmax(s, axis=-1, precise=True)
+
+
+def reference_attention(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: TilePlan, scale: float,
+                        return_scores: bool = False):
+    """The MLX-ops implementation of the contract (used off Metal, and the Metal kernel's oracle)."""
+    _, hq, t, d = q.shape
+    hkv = k_buf.shape[1]
+    g = hq // hkv
+    out_dtype = q.dtype
+    scores = mx.zeros((plan.capacity,), mx.float32) if return_scores else None
+    if plan.n_tiles == 0 or t == 0:
+        out = mx.zeros(q.shape, out_dtype)
+        return (out, scores) if return_scores else out
+    block = max(1, SCORE_BUDGET // max(1, hq * plan.active_slots))
+    outs = []
+    for i0 in range(0, t, block):
+        i1 = min(t, i0 + block)
+        qs_np = plan.q_seq_np[i0:i1]
+        visible = plan.tile_min <= qs_np.max()  # tiles some query of the block can see
+        o, p_sum = _attend_block(q[:, :, i0:i1, :], k_buf, v_buf, plan, plan.tiles[visible],
+                                 plan.tile_min[visible], plan.q_seq[i0:i1], qs_np, scale, g, return_scores)
+        outs.append(o)
+        if return_scores and p_sum is not None:
+            scores = scores.at[p_sum[0]].add(p_sum[1])
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    out = out.astype(out_dtype)
+    return (out, scores) if return_scores else out
+
+
+def _attend_block(q, k_buf, v_buf, plan: TilePlan, tiles: np.ndarray, tile_min: np.ndarray, q_seq: mx.array,
+                  qs_np: np.ndarray, scale: float, g: int, return_scores: bool):
+    """One query block over the given tiles; returns (output [1, Hq, tb, D] float32, (slots, attention) or None)."""
+    _, hq, tb, d = q.shape
+    hkv = k_buf.shape[1]
+    if tiles.size == 0:
+        return mx.zeros((1, hq, tb, d), mx.float32), None
+    runs = _runs(tiles, plan.tile)
+    qg = (q.astype(mx.float32) * scale).reshape(1, hkv, g * tb, d)  # rows (g, t): GQA without repeating K
+
+    def f32(x):
+        return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+    if len(runs) == 1:  # contiguous: slice, no copy
+        a, b = runs[0]
+        key_seq = plan.key_seq[a:b]
+        s = qg @ f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2)
+        values = [(f32(v_buf[:, :, a:b, :]), b - a)]
+        slots = mx.arange(a, b)
+    elif tb == 1 and len(runs) <= DECODE_MAX_RUNS:  # decode over a few runs: score run by run, no K/V copy
+        key_seq = mx.concatenate([plan.key_seq[a:b] for a, b in runs])
+        s = mx.concatenate([qg @ f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2) for a, b in runs], axis=-1)
+        values = [(f32(v_buf[:, :, a:b, :]), b - a) for a, b in runs]
+        slots = mx.concatenate([mx.arange(a, b) for a, b in runs])
+    else:  # gather the active tiles
+        idx_np = (tiles[:, None] * plan.tile + np.arange(plan.tile)[None, :]).reshape(-1).astype(np.int32)
+        idx = mx.array(idx_np)
+        key_seq = plan.key_seq[idx]
+        s = qg @ f32(k_buf[:, :, idx, :]).swapaxes(-1, -2)
+        values = [(f32(v_buf[:, :, idx, :]), int(idx_np.shape[0]))]
+        slots = idx
+    n = s.shape[-1]
+    visible = key_seq[None, :] <= q_seq[:, None]  # [tb, n]
+    s = mx.where(visible, s.reshape(1, hkv, g, tb, n), -mx.inf)
+    p = _softmax_rows(s)
+    empty = qs_np < tile_min.min()  # queries that see no key: softmax of -inf rows is NaN
+    if empty.any():
+        p = mx.where(mx.array(~empty)[:, None], p, 0.0)
+    p = p.reshape(1, hkv, g * tb, n)
+    o = None
+    off = 0
+    for vv, m in values:
+        part = (p if len(values) == 1 else p[..., off:off + m]) @ vv
+        o = part if o is None else o + part
+        off += m
+    o = o.reshape(1, hq, tb, d)
+    p_sum = (slots, p.sum(axis=(0, 1, 2))) if return_scores else None
+    return o, p_sum
+
+
+# --- Metal --------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def metal_source(name: str) -> str:
+    """The text of ``kernels/metal/<name>.metal`` (shipped inside the package)."""
+    return resources.files(__package__).joinpath("metal", f"{name}.metal").read_text()
+
+
+ATTENTION_BODY = """
+    threadgroup float tg_o[NQ * NS * D];
+    threadgroup float tg_ml[2 * NQ * NS];
+    tile_skip_attention_impl<TQ, TKV, D, TILE, NQ, NS>(
+        q, k, v, slot_seq, q_seq, tiles, dims, scale, o_part, lse_part, tg_o, tg_ml,
+        threadgroup_position_in_grid, threadgroups_per_grid, simdgroup_index_in_threadgroup,
+        thread_index_in_simdgroup);
+"""
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def metal_attention_spec(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: TilePlan, scale: float, *,
+                         rows_per_group: int | None = None, parts: int | None = None,
+                         splits: int | None = None) -> dict:
+    """Everything ``mx.fast.metal_kernel`` needs for one call: constructor and call arguments in one dict.
+
+    The runtime path and the Linux checker (tests/metal_check) both build the kernel from this, so the checked
+    source is exactly the one that runs. ``rows_per_group`` (NQ), ``parts`` (NS) and ``splits`` override the
+    launch shape (tests use them to cover every merge path on small grids).
+    """
+    _, hq, t, d = q.shape
+    hkv, cap = k_buf.shape[1], k_buf.shape[2]
+    rows = (hq // hkv) * t
+    nq = rows_per_group or min(8, _pow2_at_least(rows))
+    ns = parts or max(1, 8 // nq)
+    if nq * ns > 32:
+        raise AttentionError(f"NQ * NS = {nq * ns} simdgroups exceed the 1024-thread threadgroup")
+    row_blocks = -(-rows // nq)
+    groups = hkv * row_blocks
+    if splits is None:  # enough threadgroups to fill a GPU, while each simdgroup keeps >= 2 tiles to walk
+        splits = 1
+        while groups * splits < 128 and plan.n_tiles >= 4 * ns * splits and splits < 16:
+            splits *= 2
+    dims = mx.array([hq, t, cap, plan.n_tiles, hkv], dtype=mx.int32)
+    return dict(
+        name="omnitide_tile_skip_attention",
+        input_names=["q", "k", "v", "slot_seq", "q_seq", "tiles", "dims", "scale"],
+        output_names=["o_part", "lse_part"],
+        source=ATTENTION_BODY,
+        header=metal_source("tile_skip_attention"),
+        inputs=[q, k_buf, v_buf, plan.slot_seq, plan.q_seq, plan.tiles_mx, dims,
+                mx.array([scale], dtype=mx.float32)],
+        output_shapes=[(splits, hq, t, d), (splits, hq, t)],
+        output_dtypes=[mx.float32, mx.float32],
+        template=[("TQ", q.dtype), ("TKV", k_buf.dtype), ("D", d), ("TILE", plan.tile), ("NQ", nq), ("NS", ns)],
+        grid=(32 * nq * ns, groups, splits),
+        threadgroup=(32 * nq * ns, 1, 1),
+    )
+
+
+def merge_partials(o_part: mx.array, lse_part: mx.array) -> mx.array:
+    """Merge per-split (normalised output, log-sum-exp) partials: [S, Hq, T, D], [S, Hq, T] -> [1, Hq, T, D]."""
+    if o_part.shape[0] == 1:
+        return o_part
+    m = lse_part.max(axis=0)
+    w = mx.exp(lse_part - m)  # an empty split has lse METAL_EMPTY: weight 0 (or 1 with o = 0 if all are empty)
+    return ((w[..., None] * o_part).sum(axis=0) / w.sum(axis=0)[..., None])[None]
+
+
+_KERNEL_KEYS = ("name", "input_names", "output_names", "source", "header")
+
+
+@functools.lru_cache(maxsize=None)
+def _metal_kernel(name, input_names, output_names, source, header):
+    return mx.fast.metal_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
+                                source=source, header=header)
+
+
+def run_metal_spec(spec: dict) -> list[mx.array]:
+    """Build (cached) and call the kernel a spec describes."""
+    kernel = _metal_kernel(*(tuple(spec[k]) if isinstance(spec[k], list) else spec[k] for k in _KERNEL_KEYS))
+    call = {k: v for k, v in spec.items() if k not in _KERNEL_KEYS}
+    return kernel(**call)
+
+
+def metal_attention(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: TilePlan, scale: float) -> mx.array:
+    if plan.n_tiles == 0 or q.shape[2] == 0:
+        return mx.zeros(q.shape, q.dtype)
+    o_part, lse_part = run_metal_spec(metal_attention_spec(q, k_buf, v_buf, plan, scale))
+    return merge_partials(o_part, lse_part).reshape(q.shape).astype(q.dtype)

@@ -1,0 +1,198 @@
+"""The MLX-ops reference of tile_skip_attention and page_compact against a float64 numpy statement of the contract."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from attention_oracle import oracle_attention, rand, random_layout
+
+from omnitide_mlx.kernels import (
+    AttentionError,
+    page_compact,
+    plan_tiles,
+    reference_attention,
+    tile_skip_attention,
+)
+from omnitide_mlx.kernels import attention as attn
+
+
+def _run(rng, hkv, g, d, tile, capacity, t, fill, scale=0.3, dtype=mx.float32, tiles=None, **kw):
+    seq, qs, active = random_layout(rng, capacity, tile, fill, t)
+    tiles = active if tiles is None else tiles
+    q = rand(rng, (1, hkv * g, t, d))
+    k = rand(rng, (1, hkv, capacity, d))
+    v = rand(rng, (1, hkv, capacity, d))
+    qm, km, vm = (mx.array(x).astype(dtype) for x in (q, k, v))
+    out = tile_skip_attention(qm, km, vm, seq, qs, tiles, scale, tile, **kw)
+    # the oracle sees the same (rounded) inputs
+    ref = oracle_attention(np.array(qm.astype(mx.float32)), np.array(km.astype(mx.float32)),
+                           np.array(vm.astype(mx.float32)), seq, qs, tiles, tile, scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_layouts_match_oracle(seed):
+    rng = np.random.default_rng(seed)
+    tile = (32, 64)[seed % 2]
+    hkv, g = int(rng.integers(1, 3)), int(rng.integers(1, 5))
+    t = (1, 1, 5, 37)[seed % 4]
+    out, (ref, _) = _run(rng, hkv, g, 32 * int(rng.integers(1, 3)), tile, tile * int(rng.integers(2, 9)), t,
+                         float(rng.uniform(0.05, 0.9)))
+    assert out.dtype == mx.float32
+    np.testing.assert_allclose(np.array(out), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["slice", "runs", "gather", "blocks"])
+def test_every_reference_path(path, monkeypatch):
+    """Each way the reference reaches the keys (one slice, per-run scores, gather, query blocks) is exact."""
+    rng = np.random.default_rng(7)
+    tile, capacity = 32, 512
+    seq = np.full(capacity, -1)
+    if path == "slice":  # everything in tiles 3..6
+        seq[96:224] = rng.permutation(128)
+    else:  # tiles 1, 4, 5, 9: three runs
+        slots = np.concatenate([np.arange(32, 64), np.arange(128, 192), np.arange(288, 320)])
+        keep = slots[rng.random(slots.size) < 0.7]
+        seq[keep] = rng.permutation(keep.size)
+    t = 1 if path in ("runs", "slice") else 9
+    if path == "gather":
+        monkeypatch.setattr(attn, "DECODE_MAX_RUNS", 0)
+    if path == "blocks":
+        monkeypatch.setattr(attn, "SCORE_BUDGET", 4 * 3 * 128)  # blocks of 3 queries
+    qs = np.sort(rng.integers(0, seq.max() + 1, t))
+    tiles = np.nonzero((seq.reshape(-1, tile) >= 0).any(axis=1))[0]
+    q, k, v = rand(rng, (1, 4, t, 64)), rand(rng, (1, 2, capacity, 64)), rand(rng, (1, 2, capacity, 64))
+    out, scores = tile_skip_attention(mx.array(q), mx.array(k), mx.array(v), seq, qs, tiles, 0.125, tile,
+                                      return_scores=True)
+    ref, ref_scores = oracle_attention(q, k, v, seq, qs, tiles, tile, 0.125)
+    np.testing.assert_allclose(np.array(out), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.array(scores), ref_scores, atol=1e-5)
+
+
+def test_causal_inside_the_new_chunk_and_block_skipping(monkeypatch):
+    """Prefill: query i of the chunk sees the chunk's keys up to itself; small query blocks skip future tiles."""
+    monkeypatch.setattr(attn, "SCORE_BUDGET", 2 * 8 * 64 * 6)
+    rng = np.random.default_rng(3)
+    capacity, tile, t = 640, 64, 200
+    seq = np.full(capacity, -1)
+    seq[:300] = np.arange(300)
+    seq[320:520] = 300 + np.arange(t)  # the chunk, in its own pages
+    qs = 300 + np.arange(t)
+    tiles = np.nonzero((seq.reshape(-1, tile) >= 0).any(axis=1))[0]
+    q, k, v = rand(rng, (1, 2, t, 32)), rand(rng, (1, 1, capacity, 32)), rand(rng, (1, 1, capacity, 32))
+    out = tile_skip_attention(mx.array(q), mx.array(k), mx.array(v), seq, qs, tiles, 0.2, tile)
+    np.testing.assert_allclose(np.array(out), oracle_attention(q, k, v, seq, qs, tiles, tile, 0.2)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_kv_accumulates_in_float32(dtype):
+    rng = np.random.default_rng(11)
+    out, (ref, _) = _run(rng, 2, 3, 64, 64, 512, 6, 0.5, dtype=dtype)
+    assert out.dtype == dtype
+    eps = 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -11  # one rounding of the output
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), ref, atol=2 * eps, rtol=2 * eps)
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_inactive_tiles_are_never_read(t):
+    """Tiles left off the list are not read: NaN keys there (visible by seq) leave the output finite and equal to
+    attention over the listed tiles only."""
+    rng = np.random.default_rng(5)
+    capacity, tile = 512, 32
+    seq = np.arange(capacity)
+    tiles = np.array([0, 3, 4, 9, 15])
+    k, v = rand(rng, (1, 2, capacity, 64)), rand(rng, (1, 2, capacity, 64))
+    off = np.ones(capacity // tile, bool)
+    off[tiles] = False
+    off = np.repeat(off, tile)
+    k[:, :, off] = np.nan
+    v[:, :, off] = np.nan
+    q = rand(rng, (1, 4, t, 64))
+    qs = capacity - t + np.arange(t)
+    out = np.array(tile_skip_attention(mx.array(q), mx.array(k), mx.array(v), seq, qs, tiles, 0.125, tile))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, oracle_attention(q, np.nan_to_num(k), np.nan_to_num(v), seq, qs, tiles, tile,
+                                                     0.125)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_edge_cases():
+    rng = np.random.default_rng(2)
+    q, k, v = mx.array(rand(rng, (1, 2, 3, 32))), mx.array(rand(rng, (1, 1, 128, 32))), mx.array(rand(rng, (1, 1, 128, 32)))
+    seq = np.full(128, -1)
+    # no active tile: zeros, and no attention anywhere
+    out, scores = tile_skip_attention(q, k, v, seq, [0, 1, 2], [], 0.1, 64, return_scores=True)
+    assert not np.array(out).any() and not np.array(scores).any()
+    # all holes but one: every query attends to that one key with weight 1
+    seq[77] = 0
+    out = tile_skip_attention(q, k, v, seq, [0, 1, 2], [1], 0.1, 64)
+    np.testing.assert_allclose(np.array(out), np.broadcast_to(np.array(v)[0, 0, 77], (1, 2, 3, 32)), atol=1e-6)
+    # a query that sees no key (its serial precedes every stored one) gets zeros, the others are unaffected
+    seq[77] = 5
+    out = np.array(tile_skip_attention(q, k, v, seq, [4, 5, 6], [1], 0.1, 64))
+    assert not out[:, :, 0].any()
+    np.testing.assert_allclose(out[:, :, 1:], np.broadcast_to(np.array(v)[0, 0, 77], (1, 2, 2, 32)), atol=1e-6)
+    # one tile, decode
+    seq[:] = -1
+    seq[32:64] = np.arange(32)
+    out = tile_skip_attention(q[:, :, :1], k, v, seq, [31], [1], 0.1, 32)
+    np.testing.assert_allclose(np.array(out), oracle_attention(np.array(q[:, :, :1]), np.array(k), np.array(v), seq,
+                                                               [31], [1], 32, 0.1)[0], atol=1e-6)
+
+
+def test_scores_sum_to_one_per_query_and_head():
+    rng = np.random.default_rng(9)
+    seq, qs, tiles = random_layout(rng, 256, 32, 0.4, 5)
+    q, k, v = mx.array(rand(rng, (1, 6, 5, 32))), mx.array(rand(rng, (1, 2, 256, 32))), mx.array(rand(rng, (1, 2, 256, 32)))
+    _, scores = tile_skip_attention(q, k, v, seq, qs, tiles, 0.2, 32, return_scores=True)
+    assert abs(float(scores.sum()) - 6 * 5) < 1e-4
+    assert not np.array(scores)[seq < 0].any()
+
+
+def test_bad_input_is_rejected():
+    z = mx.zeros((1, 4, 2, 32))
+    kv = mx.zeros((1, 2, 128, 32))
+    seq = np.arange(128)
+    with pytest.raises(AttentionError, match="tile must be"):
+        plan_tiles(seq, [0, 1], [0], 16)
+    with pytest.raises(AttentionError, match="multiple of the tile"):
+        plan_tiles(np.arange(100), [0], [0], 64)
+    with pytest.raises(AttentionError, match="tile ids must lie"):
+        plan_tiles(seq, [0, 1], [2], 64)
+    with pytest.raises(AttentionError, match="unique"):
+        plan_tiles(seq, [0, 1], [1, 1], 64)
+    with pytest.raises(AttentionError, match="multiple of KV heads"):
+        tile_skip_attention(mx.zeros((1, 3, 2, 32)), kv, kv, seq, [0, 1], [0], 1.0)
+    with pytest.raises(AttentionError, match=r"\[1, Hq, T, D\]"):
+        tile_skip_attention(mx.zeros((2, 4, 2, 32)), kv, kv, seq, [0, 1], [0], 1.0)
+    with pytest.raises(AttentionError, match="q_seq"):
+        tile_skip_attention(z, kv, kv, seq, [0, 1, 2], [0], 1.0)
+    with pytest.raises(AttentionError, match="slots"):
+        tile_skip_attention(z, mx.zeros((1, 2, 64, 32)), mx.zeros((1, 2, 64, 32)), seq, [0, 1], [0], 1.0)
+    with pytest.raises(AttentionError, match="float16, bfloat16 or float32"):
+        tile_skip_attention(z, kv.astype(mx.int32), kv.astype(mx.int32), seq, [0, 1], [0], 1.0)
+    with pytest.raises(AttentionError, match="plan"):
+        tile_skip_attention(z, kv, kv)
+
+
+def test_plan_is_shared_across_layers():
+    rng = np.random.default_rng(4)
+    seq, qs, tiles = random_layout(rng, 256, 64, 0.5, 3)
+    plan = plan_tiles(seq, qs, tiles, 64)
+    for _ in range(2):
+        q, k, v = mx.array(rand(rng, (1, 2, 3, 32))), mx.array(rand(rng, (1, 1, 256, 32))), mx.array(rand(rng, (1, 1, 256, 32)))
+        out = reference_attention(q, k, v, plan, 0.3)
+        np.testing.assert_allclose(np.array(out), oracle_attention(np.array(q), np.array(k), np.array(v), seq, qs,
+                                                                   tiles, 64, 0.3)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_page_compact_gathers_rows(dtype):
+    rng = np.random.default_rng(1)
+    k = mx.array(rand(rng, (1, 3, 192, 32))).astype(dtype)
+    v = mx.array(rand(rng, (1, 3, 192, 32))).astype(dtype)
+    src = np.array([150, 3, 64, 191])
+    kr, vr = page_compact(k, v, src)
+    assert kr.shape == (1, 3, 4, 32) and kr.dtype == dtype
+    assert mx.array_equal(kr, k[:, :, mx.array(src), :]) and mx.array_equal(vr, v[:, :, mx.array(src), :])
+    with pytest.raises(AttentionError, match="source slots"):
+        page_compact(k, v, [192])
