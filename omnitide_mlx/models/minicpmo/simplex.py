@@ -24,7 +24,8 @@ FIRST_CHUNK_MS = 1035
 CHUNK_MS = 1000
 GENERATE_CHUNK = 10  # tokens per generation chunk (the first one has one more)
 PENALTY_WINDOW = 128
-TERMINATORS = ("<|tts_eos|>", "<|im_end|>", "</s>")  # "</s>" is no token here: it maps to <unk>, as officially
+TERMINATORS = ("<|tts_eos|>", "<|im_end|>", "</s>")  # "</s>" is a plain vocab entry (128247)
+# suppressed in every step, plus tokenizer_config's bad_token_ids; strings that are not one token map to <unk>
 FORBIDDEN = (":", "：", "；", "#", "“", "”", "‘", "’", "@", "*", "【", "】", "「", "」", "(", ")", "（", "）", "[", "]",
              "&", "/", "$")
 
