@@ -11,7 +11,9 @@ import importlib
 import sys
 
 # name -> module; a module is listed here once its command works
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "convert": "omnitide_mlx.commands.convert",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,64 @@
+"""``omnitide convert``: a Hugging Face checkpoint -> an MLX folder (optionally quantised) that ``load`` reads back.
+
+Generic over the supported models: the checkpoint is loaded through ``omnitide_mlx.load`` (so it is checked against
+its config first), then written with ``models.loading.save_converted``. With ``-q`` the weights are quantised as
+``mlx_lm.convert -q`` does (affine, 4 bits, group 64 by default); a model may restrict quantisation to some layers
+with a ``quant_predicate(path, module)`` method (Qwen2.5-Omni quantises its language model and keeps the vision and
+audio encoders in float).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "convert a Hugging Face checkpoint to MLX safetensors, optionally quantised"
+DESCRIPTION = __doc__
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local model folder or Hugging Face id (org/name)")
+    parser.add_argument("--mlx-path", required=True, help="output folder for the converted model")
+    parser.add_argument("-q", "--quantize", action="store_true", help="quantise the weights")
+    parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="bits per weight (4)")
+    parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128),
+                        help="quantisation group size (64)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="cast floating weights before saving (default: keep the checkpoint's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from ..models import load
+    from ..models.loading import CheckpointError, load_config, resolve_model_path, save_converted
+
+    dst = Path(args.mlx_path).expanduser()
+    try:
+        src = resolve_model_path(args.model)
+        if dst.resolve() == src.resolve():
+            print(f"error: --mlx-path {dst} is the source folder", file=sys.stderr)
+            return 2
+        if dst.exists() and any(dst.iterdir()):
+            print(f"error: {dst} exists and is not empty", file=sys.stderr)
+            return 2
+        config = load_config(src)
+        if config.get("quantization"):
+            print(f"error: {src} is already quantised", file=sys.stderr)
+            return 2
+        model, _ = load(src)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    dtype = getattr(mx, args.dtype) if args.dtype else None
+    written = save_converted(model, config, src, dst, bits=args.q_bits if args.quantize else None,
+                             group_size=args.q_group_size, dtype=dtype,
+                             quant_predicate=getattr(model, "quant_predicate", None))
+    what = (f"{written['quantization']['bits']}-bit (group {written['quantization']['group_size']})"
+            if args.quantize else (args.dtype or "unquantised"))
+    print(f"wrote {what} MLX model to {dst}")
+    return 0
