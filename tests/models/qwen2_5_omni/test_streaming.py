@@ -1,0 +1,243 @@
+"""The streaming adapter: unit layouts, spans and positions, streaming parity with the offline forward (ours and
+transformers'), greedy decoding after a streamed prefill, bad media, and re-rotation after an OmniPick eviction.
+
+Offline reference: every unit's frame is a separate one-grid video (the frame duplicated to the temporal patch,
+1 s per grid) and its audio a separate clip, in one sequence with ``use_audio_in_video=True``.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omnitide_mlx.core.units import History, SpanKind, UnitKind
+from omnitide_mlx.models.base import MediaError
+from omnitide_mlx.models.qwen2_5_omni.adapter import FRAME_MAX_PIXELS, FRAME_MIN_PIXELS
+from omnitide_mlx.models.qwen2_5_omni.language import mrope_cos_sin, rotate_half
+
+from ._util import to_torch
+
+TOL = 2e-5
+SR = 16000
+
+
+def _frame(rng, h, w):
+    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _audio(rng, seconds):
+    return (0.1 * rng.standard_normal(int(SR * seconds))).astype(np.float32)
+
+
+def _stream(model, adapter, steps, cache=None):
+    """Prepare and prefill ``steps`` one unit at a time; returns (units, logits per unit, history, cache)."""
+    history, units, logits = History(), [], []
+    cache = model.make_cache() if cache is None else cache
+    for i, (kind, args) in enumerate(steps):
+        start = history.next_position()
+        if kind == "system":
+            u = adapter.system_unit(args, start)
+        elif kind == "media":
+            u = adapter.media_unit(*args, t=float(i), start=start)
+        elif kind == "context":
+            u = adapter.context_unit(args, start)
+        else:
+            u = adapter.user_unit(args, start)
+        logits.append(model.language_model(u.inputs_embeds, cache, u.positions)[0])
+        history.append(u.to_unit(i))
+        units.append(u)
+    return units, logits, history, cache
+
+
+def _av_steps(seed=0):
+    """System, three frame+audio seconds (one with 2.4 s of audio, two encoder / interleave chunks), one
+    audio-only second, then the question."""
+    rng = np.random.default_rng(seed)
+    return [("system", None),
+            ("media", (_frame(rng, 112, 112), _audio(rng, 1.0))),
+            ("media", (_frame(rng, 84, 112), _audio(rng, 1.5))),
+            ("media", (None, _audio(rng, 1.0))),
+            ("media", (_frame(rng, 112, 84), _audio(rng, 2.4))),
+            ("user", "What happened in these seconds?")]
+
+
+def _offline_inputs(proc, units, steps):
+    """The concatenated sequence as processor outputs (the same frames and clips as separate videos / audios)."""
+    rows, grids, mels = [], [], []
+    for kind, args in steps:
+        if kind != "media":
+            continue
+        frame, audio = args
+        if frame is not None:
+            r, g = proc.vision.image(frame, FRAME_MIN_PIXELS, FRAME_MAX_PIXELS)
+            rows.append(r)
+            grids.append(g)
+        if audio is not None:
+            mels.append(proc.audio_features(audio))
+    width = max(m.shape[1] for m in mels)
+    feats = np.zeros((len(mels), 128, width), np.float32)
+    mask = np.zeros((len(mels), width), np.int32)
+    for i, m in enumerate(mels):
+        feats[i, :, :m.shape[1]], mask[i, :m.shape[1]] = m, 1
+    ids = np.concatenate([u.input_ids for u in units]).astype(np.int64)[None]
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "pixel_values_videos": np.concatenate(rows),
+            "video_grid_thw": np.asarray(grids, np.int64), "video_second_per_grid": np.ones(len(grids)),
+            "input_features": feats, "feature_attention_mask": mask, "use_audio_in_video": True}
+
+
+@pytest.fixture(scope="module")
+def av_stream(tiny):
+    model, proc = tiny
+    steps = _av_steps()
+    units, logits, history, cache = _stream(model, model.stream_adapter(proc), steps)
+    return steps, units, logits, history, cache, _offline_inputs(proc, units, steps)
+
+
+def test_unit_layouts_and_spans(tiny, av_stream):
+    model, proc = tiny
+    _, units, _, history, _, _ = av_stream
+    ids = proc.token_ids
+    system, first, second, audio_only, last, user = units
+    assert system.kind is UnitKind.SYSTEM and [s.kind for s in system.spans] == [SpanKind.SYSTEM]
+    assert proc.decode(system.input_ids, skip_special_tokens=False).startswith("<|im_start|>system\nYou are Qwen")
+    text = proc.decode(first.input_ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\n<|vision_bos|><|audio_bos|><|VIDEO|>")
+    assert text.endswith("<|AUDIO|><|audio_eos|><|vision_eos|>")
+    assert [s.kind for s in first.spans] == [SpanKind.BOUNDARY, SpanKind.IMAGE, SpanKind.AUDIO, SpanKind.BOUNDARY]
+    assert first.spans[1].length == 16 and first.spans[2].length == 25  # 112x112 px frame, 1 s of audio
+    assert second.input_ids[0] == ids["<|vision_bos|>"]  # the turn is already open
+    assert [s.kind for s in audio_only.spans] == [SpanKind.BOUNDARY, SpanKind.AUDIO, SpanKind.BOUNDARY]
+    assert [s.kind for s in last.spans] == [SpanKind.BOUNDARY, SpanKind.IMAGE, SpanKind.AUDIO, SpanKind.BOUNDARY]
+    assert last.spans[2].length == 60  # 2.4 s: two interleave chunks, 50 + 10 audio tokens
+    assert proc.decode(user.input_ids, skip_special_tokens=False) == \
+        "What happened in these seconds?<|im_end|>\n<|im_start|>assistant\n"
+    assert [s.kind for s in user.spans] == [SpanKind.TEXT, SpanKind.BOUNDARY]
+    for u, unit in zip(units, history):
+        assert unit.positions.shape == (3, u.length) and u.inputs_embeds.shape == (u.length, 64)
+    # each unit starts one past the previous unit's largest position
+    for prev, nxt in zip(history.units, history.units[1:]):
+        assert nxt.positions.min() == prev.positions.max() + 1
+    # the frame+audio block: shared bos position, video at t = p, audio p..p+24, shared eos one past the audio
+    p = first.positions
+    bos = p[0, 3]
+    assert (p[:, 3:5] == bos).all() and (p[0, 5:21] == bos + 1).all()
+    np.testing.assert_array_equal(p[0, 21:46], bos + 1 + np.arange(25))
+    assert (p[:, 46:] == bos + 26).all()
+    assert first.extras["vision_tokens"] == 16 and first.extras["audio_tokens"] == 25
+
+
+def test_streaming_equals_transformers_offline(tiny, hf_thinker, av_stream):
+    torch = pytest.importorskip("torch")
+    model, _ = tiny
+    _, units, logits, history, _, inputs = av_stream
+    t = to_torch(inputs)
+    with torch.no_grad():
+        ref = hf_thinker(**t).logits[0].numpy()
+        pos, _ = hf_thinker.model.get_rope_index(t["input_ids"], None, t["video_grid_thw"], t["attention_mask"], True,
+                                                 t["feature_attention_mask"].sum(-1), t["video_second_per_grid"])
+    np.testing.assert_array_equal(history.positions(), pos[:, 0].numpy())
+    streamed = np.concatenate([np.array(x) for x in logits])
+    np.testing.assert_allclose(streamed, ref, rtol=0, atol=TOL)
+    np.testing.assert_allclose(np.array(model(**inputs))[0], ref, rtol=0, atol=TOL)
+
+
+def test_greedy_after_streamed_prefill_equals_generate(tiny, hf_thinker, av_stream):
+    torch = pytest.importorskip("torch")
+    model, proc = tiny
+    steps, _, _, _, _, inputs = av_stream
+    adapter = model.stream_adapter(proc)
+    _, logits, history, cache = _stream(model, adapter, steps)
+    out, nxt, last = [], history.next_position(), logits[-1][-1]
+    for _ in range(6):
+        token = int(mx.argmax(last).item())
+        out.append(token)
+        if token in adapter.stop_token_ids:
+            break
+        last = model.language_model(adapter.embed_tokens([token]), cache, np.full((3, 1), nxt))[0, -1]
+        nxt += 1
+    with torch.no_grad():
+        ref = hf_thinker.generate(**to_torch(inputs), max_new_tokens=6, do_sample=False,
+                                  eos_token_id=sorted(adapter.stop_token_ids))
+    assert out == ref[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_frame_only_audio_only_and_context_units(tiny, hf_thinker):
+    """Units of every kind, streamed, equal one offline pass over the concatenation; frame-only positions equal
+    transformers' for videos without audio."""
+    torch = pytest.importorskip("torch")
+    model, proc = tiny
+    rng = np.random.default_rng(5)
+    steps = [("system", "Be brief."), ("media", (_frame(rng, 112, 140), None)), ("media", (None, _audio(rng, 1))),
+             ("context", "a caption"), ("media", (_frame(rng, 84, 84), _audio(rng, 1))), ("user", "Why?"),
+             ("media", (_frame(rng, 56, 56), None)), ("user", "And now?")]
+    units, logits, history, _ = _stream(model, model.stream_adapter(proc), steps)
+    embeds = mx.concatenate([u.inputs_embeds for u in units])
+    offline = model.language_model(embeds, None, history.positions())[0]
+    np.testing.assert_allclose(np.concatenate([np.array(x) for x in logits]), np.array(offline), rtol=0, atol=TOL)
+    assert proc.decode(units[5].input_ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert proc.decode(units[6].input_ids, skip_special_tokens=False).startswith("<|im_start|>user\n")
+    # frame-only and audio-only units as transformers places a video without audio and an audio
+    ids = np.concatenate([u.input_ids for u in units[:3]]).astype(np.int64)[None]
+    _, grid = proc.vision.image(steps[1][1][0], FRAME_MIN_PIXELS, FRAME_MAX_PIXELS)
+    with torch.no_grad():
+        ref, _ = hf_thinker.model.get_rope_index(torch.tensor(ids), None, torch.tensor([grid]),
+                                                 torch.ones_like(torch.tensor(ids)), False, torch.tensor([100]),
+                                                 torch.tensor([1.0]))
+    np.testing.assert_array_equal(np.concatenate([u.positions for u in history.units[:3]], axis=1), ref[:, 0].numpy())
+
+
+def test_finish_reply_and_stop_tokens(tiny):
+    model, proc = tiny
+    adapter = model.stream_adapter(proc)
+    assert adapter.stop_token_ids == {proc.token_ids["<|im_end|>"], proc.token_ids["<|endoftext|>"]}
+    adapter.media_unit(None, np.zeros(SR, np.float32), 0.0, 0)
+    assert adapter.turn_open
+    assert proc.decode(adapter.finish_reply([5, 6], stopped=True), skip_special_tokens=False) == "<|im_end|>\n"
+    assert not adapter.turn_open
+    assert adapter.decode([proc.token_ids["<|im_start|>"]] + proc.encode("hello")) == "hello"
+    meta, arrays = adapter.state()
+    fresh = model.stream_adapter(proc)
+    fresh.load_state(meta, arrays)
+    assert fresh.turn_open == adapter.turn_open
+    assert adapter.kv_spec.position_axes == 3 and adapter.kv_spec.rope.traditional is False
+
+
+@pytest.mark.parametrize("frame, audio, match", [
+    (np.zeros((32, 32), np.uint8), None, "shape"),
+    (np.zeros((32, 32, 4), np.uint8), None, "shape"),
+    (np.zeros((32, 32, 3), np.float32), None, "dtype"),
+    (np.zeros((1, 32, 3), np.uint8), None, "too small"),
+    (None, np.zeros((SR, 2), np.float32), "shape"),
+    (None, np.array([0.0, np.inf] * 800, np.float32), "NaN or infinite"),
+    (None, np.zeros(0, np.float32), "empty"),
+    (None, np.zeros(SR, np.int16), "dtype"),
+    (None, np.zeros(100, np.float32), "too short"),
+    (None, None, "needs a frame"),
+])
+def test_bad_media_raises_before_anything_changes(tiny, frame, audio, match):
+    model, proc = tiny
+    adapter = model.stream_adapter(proc)
+    with pytest.raises(MediaError, match=match):
+        adapter.media_unit(frame, audio, 0.0, 0)
+    assert not adapter.turn_open
+
+
+def test_kv_spec_rerotation_is_exact_for_mrope(tiny, av_stream):
+    """A uniform shift of t, h and w is one plain NeoX rotation with kv_spec().rope: keys written at TMRoPE
+    positions P and re-rotated by -s equal keys written at P - s."""
+    model, _ = tiny
+    _, units, _, history, _, _ = av_stream
+    spec = model.kv_spec()
+    lm = model.language_model
+    attn = lm.layers[0].self_attn
+    x = lm.layers[0].input_layernorm(mx.concatenate([u.inputs_embeds for u in units])[None])
+    k = attn.k_proj(x).reshape(1, -1, attn.n_kv_heads, attn.head_dim).transpose(0, 2, 1, 3)
+    pos = mx.array(history.positions())
+
+    def rope(p):
+        cos, sin = mrope_cos_sin(p, lm._inv_freq, lm.args.mrope_section, mx.float32)
+        return k * cos + rotate_half(k) * sin
+
+    shift = 37
+    moved = spec.rope.rotate_sequence(rope(pos), np.full(pos.shape[1], -shift))
+    np.testing.assert_allclose(np.array(moved), np.array(rope(pos - shift)), rtol=0, atol=2e-5)
+    assert spec.rope.dims == attn.head_dim and spec.rope.base == lm.args.rope_theta
