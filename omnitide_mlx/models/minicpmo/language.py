@@ -143,7 +143,7 @@ class LanguageModel(nn.Module):
         omni = _is_omni_cache(cache)
         if omni:
             cache.begin_step(t)
-            layer_caches = cache.layers
+            layer_caches = cache  # OmniCache iterates its OmniLayerCaches
         else:
             layer_caches = cache if cache is not None else [None] * len(self.model.layers)
         h = inputs_embeds
