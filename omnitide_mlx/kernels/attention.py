@@ -64,8 +64,9 @@ class TilePlan:
 
 def plan_tiles(slot_seq, q_seq, tiles, tile: int = PREFILL_TILE) -> TilePlan:
     """Validate the page-table side of the contract and precompute what every layer's call needs."""
-    if tile not in (PREFILL_TILE, DECODE_TILE):
-        raise AttentionError(f"tile must be {PREFILL_TILE} (prefill) or {DECODE_TILE} (decode), got {tile}")
+    if not isinstance(tile, (int, np.integer)) or tile < 8 or tile & (tile - 1):
+        raise AttentionError(f"tile must be a power of two >= 8 ({PREFILL_TILE} prefill, {DECODE_TILE} decode), "
+                             f"got {tile!r}")
     seq = np.asarray(slot_seq).astype(np.int64, copy=False).reshape(-1)
     qs = np.asarray(q_seq).astype(np.int64, copy=False).reshape(-1)
     capacity = int(seq.shape[0])

@@ -153,7 +153,7 @@ def test_bad_input_is_rejected():
     kv = mx.zeros((1, 2, 128, 32))
     seq = np.arange(128)
     with pytest.raises(AttentionError, match="tile must be"):
-        plan_tiles(seq, [0, 1], [0], 16)
+        plan_tiles(seq, [0, 1], [0], 48)
     with pytest.raises(AttentionError, match="multiple of the tile"):
         plan_tiles(np.arange(100), [0], [0], 64)
     with pytest.raises(AttentionError, match="tile ids must lie"):
