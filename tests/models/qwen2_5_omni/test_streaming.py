@@ -241,3 +241,90 @@ def test_kv_spec_rerotation_is_exact_for_mrope(tiny, av_stream):
     moved = spec.rope.rotate_sequence(rope(pos), np.full(pos.shape[1], -shift))
     np.testing.assert_allclose(np.array(moved), np.array(rope(pos - shift)), rtol=0, atol=2e-5)
     assert spec.rope.dims == attn.head_dim and spec.rope.base == lm.args.rope_theta
+
+
+# --- eviction -------------------------------------------------------------------------------------------------
+def _qkv(attn, x, cos, sin):
+    b, t, _ = x.shape
+
+    def heads(y, n):
+        return y.reshape(b, t, n, attn.head_dim).transpose(0, 2, 1, 3)
+
+    q, k = heads(attn.q_proj(x), attn.n_heads), heads(attn.k_proj(x), attn.n_kv_heads)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, heads(attn.v_proj(x), attn.n_kv_heads)
+
+
+def recompute_reference(lm, prefix_embeds, prefix_pos, keep, kept_pos, new_embeds, new_pos):
+    """Logits of new tokens after an eviction, recomputed without any cache or re-rotation: the prefix runs in
+    full (its kept tokens' layer inputs are what they were when written), the kept tokens' keys are computed
+    afresh at their shifted positions, and the new tokens attend to the kept tokens and causally to themselves."""
+    def cs(p):
+        return mrope_cos_sin(mx.array(p), lm._inv_freq, lm.args.mrope_section, mx.float32)
+
+    (cp, sp), (ck, sk), (cn, sn) = cs(prefix_pos), cs(kept_pos), cs(new_pos)
+    idx = mx.array(np.nonzero(keep)[0].astype(np.int32))
+    n_new = new_embeds.shape[0]
+    mask = mx.array(np.concatenate([np.ones((n_new, int(keep.sum())), bool), np.tril(np.ones((n_new, n_new), bool))],
+                                   axis=1))
+    h, hn = prefix_embeds[None], new_embeds[None]
+    for layer in lm.layers:
+        a = layer.self_attn
+        x, xn = layer.input_layernorm(h), layer.input_layernorm(hn)
+        q, k, v = _qkv(a, x, cp, sp)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=a.scale, mask="causal")
+        _, kk, vv = _qkv(a, x[:, idx], ck, sk)
+        qn, kn, vn = _qkv(a, xn, cn, sn)
+        outn = mx.fast.scaled_dot_product_attention(qn, mx.concatenate([kk, kn], 2), mx.concatenate([vv, vn], 2),
+                                                    scale=a.scale, mask=mask)
+        h = h + a.o_proj(out.transpose(0, 2, 1, 3).reshape(1, h.shape[1], -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hn = hn + a.o_proj(outn.transpose(0, 2, 1, 3).reshape(1, n_new, -1))
+        hn = hn + layer.mlp(layer.post_attention_layernorm(hn))
+    return lm.logits(lm.model.norm(hn))[0]
+
+
+def _evict_kv_caches(caches, keep, shifts, rope):
+    """What the cache does on eviction, on mlx-lm KVCaches: drop the deleted tokens, re-rotate kept keys by
+    ``-shift`` once, in float32, with the model's RopeSpec."""
+    idx = mx.array(np.nonzero(keep)[0].astype(np.int32))
+    for c in caches:
+        k, v = c.keys[..., :c.offset, :][:, :, idx], c.values[..., :c.offset, :][:, :, idx]
+        k = rope.rotate_sequence(k, -np.asarray(shifts))
+        c.state = (k, v, int(keep.sum()))
+
+
+@pytest.mark.parametrize("high, low, n_shifts", [(230, 200, 4),  # older units trimmed to boundaries + sinks
+                                                  (150, 120, 2)])  # older units dropped whole
+def test_omnipick_eviction_matches_recompute_with_shifted_positions(tiny, high, low, n_shifts):
+    from omnitide_mlx.core.pick import OmniPick, apply_plan
+
+    model, proc = tiny
+    rng = np.random.default_rng(9)
+    steps = [("system", None)] + [("media", (_frame(rng, 56, 84), _audio(rng, 1.0))) for _ in range(5)]
+    adapter = model.stream_adapter(proc)
+    units, _, history, cache = _stream(model, adapter, steps)
+    policy = OmniPick(high=high, low=low, recent_units=2, image_sink=2, audio_sink=2, text_budget=8)
+    plan = policy.plan(history)
+    assert plan is not None and 0 < plan.deleted_tokens < history.total_tokens
+    keep, shifts = plan.keep_mask(), plan.kept_token_shifts()
+    assert len(np.unique(shifts)) == n_shifts and shifts.max() > 0  # kept ranges really move
+    new_history = apply_plan(history, plan)
+    np.testing.assert_array_equal(new_history.positions(), history.positions()[:, keep] - shifts)
+
+    _evict_kv_caches(cache, keep, shifts, model.kv_spec().rope)
+    start = new_history.next_position()
+    nxt_media = adapter.media_unit(_frame(rng, 84, 56), _audio(rng, 1.0), 5.0, start)
+    question = adapter.user_unit("What changed?", int(nxt_media.positions.max()) + 1)
+    streamed = [model.language_model(u.inputs_embeds, cache, u.positions)[0] for u in (nxt_media, question)]
+
+    ref = recompute_reference(model.language_model, mx.concatenate([u.inputs_embeds for u in units]),
+                              history.positions(), keep, new_history.positions(),
+                              mx.concatenate([nxt_media.inputs_embeds, question.inputs_embeds]),
+                              np.concatenate([nxt_media.positions, question.positions], axis=1))
+    np.testing.assert_allclose(np.concatenate([np.array(x) for x in streamed]), np.array(ref), rtol=0, atol=TOL)
+    # and the shift is not a no-op: at the unshifted positions the logits differ
+    unshifted = recompute_reference(model.language_model, mx.concatenate([u.inputs_embeds for u in units]),
+                                    history.positions(), keep, history.positions()[:, keep],
+                                    mx.concatenate([nxt_media.inputs_embeds, question.inputs_embeds]),
+                                    np.concatenate([nxt_media.positions, question.positions], axis=1))
+    assert np.abs(np.array(unshifted) - np.array(ref)).max() > 1e-2
