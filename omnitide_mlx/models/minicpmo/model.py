@@ -179,14 +179,25 @@ class Model(nn.Module):
 
     def __call__(self, input_ids, pixel_values=None, tgt_sizes=None, image_bound=None, audio_features=None,
                  audio_feature_lens=None, audio_bounds=None, positions=None, cache=None,
-                 chunk_length: float | None = None) -> mx.array:
+                 chunk_length: float | None = None, attention_mask=None, **processor_extras) -> mx.array:
         """The official forward: merged embeddings through the LLM at ``positions`` (default 0..T-1 or after the
-        cache) -> logits [B, T, vocab]."""
+        cache) -> logits [B, T, vocab]. Takes the processor's output as keyword arguments (its ``image_sizes``,
+        ``grids``, ``spk_bounds`` are not used by the forward)."""
+        unknown = set(processor_extras) - {"image_sizes", "grids", "spk_bounds"}
+        if unknown:
+            raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
+        if attention_mask is not None and not _np(attention_mask).all():
+            raise ValueError("left-padded batches are not supported: run the prompts one at a time")
         embeds = self.embed_inputs(input_ids, pixel_values, tgt_sizes, image_bound, audio_features,
                                    audio_feature_lens, audio_bounds, chunk_length)
         return self.language_model(embeds, cache=cache, positions=positions)
 
     # --- weights ------------------------------------------------------------------------------------------------
+    def quant_predicate(self, path: str, module) -> bool:
+        """``omnitide convert -q`` quantises the language model only; SigLIP, the resampler, Whisper and the
+        projector stay in float (they are small and run once per frame / second)."""
+        return path.startswith("language_model.")
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Official checkpoint names and PyTorch layouts -> this module's (``llm.`` -> ``language_model.``,
         ``vpm.`` -> ``vision_tower.``, ``apm.`` -> ``audio_tower.``, conv kernels channels-last). Dropped: the
