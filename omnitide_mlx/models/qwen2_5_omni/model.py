@@ -40,11 +40,10 @@ class Model(nn.Module):
         self.audio_tower = AudioEncoder(config.audio_config)
 
     # --- checkpoint -----------------------------------------------------------------------------------------
-    @staticmethod
-    def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Hugging Face names and layouts -> this module's: drop ``thinker.`` and the talker / token2wav weights,
         put the LLM under ``language_model``, flatten the Conv3d patch embedding, make the audio convs
-        channels-last."""
+        channels-last (and drop a stored ``lm_head`` when the config ties it to the embeddings)."""
         out = {}
         for k, v in weights.items():
             if k.startswith(("talker.", "token2wav.")):
@@ -61,6 +60,8 @@ class Model(nn.Module):
                 v = v.reshape(v.shape[0], -1)
             if k in ("audio_tower.conv1.weight", "audio_tower.conv2.weight") and v.ndim == 3:
                 v = v.transpose(0, 2, 1)  # [out, in, k] -> [out, k, in]
+            if k == "language_model.lm_head.weight" and self.config.tie_word_embeddings:
+                continue
             out[k] = v
         return out
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import ModelConfig
 from .processor import SPECIAL_TOKENS, TEMPLATE_SYSTEM_PROMPT, read_bpe_files
 
 REAL_VOCAB = 151936  # the 3B embedding rows
@@ -79,41 +80,42 @@ def tiny_config(vocab: str = "tiny", *, text_layers: int = 2, vision_depth: int 
 
 def thinker_weight_shapes(thinker: dict) -> dict[str, tuple[int, ...]]:
     """Every thinker tensor of a released checkpoint (names without ``thinker.``) and its Hugging Face shape."""
-    t, v, a = thinker["text_config"], thinker["vision_config"], thinker["audio_config"]
+    c = ModelConfig.from_dict(thinker)
+    t, v, a = c.text_config, c.vision_config, c.audio_config
     s: dict[str, tuple[int, ...]] = {}
-    h, hd = t["hidden_size"], t["hidden_size"] // t["num_attention_heads"]
-    q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
-    s["model.embed_tokens.weight"] = (t["vocab_size"], h)
-    for i in range(t["num_hidden_layers"]):
+    h, hd = t.hidden_size, t.head_dim
+    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
+    s["model.embed_tokens.weight"] = (t.vocab_size, h)
+    for i in range(t.num_hidden_layers):
         p = f"model.layers.{i}."
         s[p + "input_layernorm.weight"] = s[p + "post_attention_layernorm.weight"] = (h,)
         for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             s[p + f"self_attn.{name}.weight"], s[p + f"self_attn.{name}.bias"] = (out, h), (out,)
         s[p + "self_attn.o_proj.weight"] = (h, q)
-        s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (t["intermediate_size"], h)
-        s[p + "mlp.down_proj.weight"] = (h, t["intermediate_size"])
+        s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (t.intermediate_size, h)
+        s[p + "mlp.down_proj.weight"] = (h, t.intermediate_size)
     s["model.norm.weight"] = (h,)
-    s["lm_head.weight"] = (t["vocab_size"], h)
+    if not c.tie_word_embeddings:
+        s["lm_head.weight"] = (t.vocab_size, h)
 
-    d, vi = v["hidden_size"], v["intermediate_size"]
-    s["visual.patch_embed.proj.weight"] = (d, v["in_channels"], v["temporal_patch_size"], v["patch_size"],
-                                           v["patch_size"])
-    for i in range(v["depth"]):
+    d, vi = v.hidden_size, v.intermediate_size
+    s["visual.patch_embed.proj.weight"] = (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    for i in range(v.depth):
         p = f"visual.blocks.{i}."
         s[p + "norm1.weight"] = s[p + "norm2.weight"] = (d,)
         for name in ("q", "k", "v", "proj"):
             s[p + f"attn.{name}.weight"], s[p + f"attn.{name}.bias"] = (d, d), (d,)
         for name, shape in (("gate_proj", (vi, d)), ("up_proj", (vi, d)), ("down_proj", (d, vi))):
             s[p + f"mlp.{name}.weight"], s[p + f"mlp.{name}.bias"] = shape, (shape[0],)
-    m = d * v["spatial_merge_size"] ** 2
+    m = d * v.spatial_merge_size ** 2
     s["visual.merger.ln_q.weight"] = (d,)
     s["visual.merger.mlp.0.weight"], s["visual.merger.mlp.0.bias"] = (m, m), (m,)
-    s["visual.merger.mlp.2.weight"], s["visual.merger.mlp.2.bias"] = (v["out_hidden_size"], m), (v["out_hidden_size"],)
+    s["visual.merger.mlp.2.weight"], s["visual.merger.mlp.2.bias"] = (v.out_hidden_size, m), (v.out_hidden_size,)
 
-    e, f = a["d_model"], a["encoder_ffn_dim"]
-    s["audio_tower.conv1.weight"], s["audio_tower.conv1.bias"] = (e, a["num_mel_bins"], 3), (e,)
+    e, f = a.d_model, a.encoder_ffn_dim
+    s["audio_tower.conv1.weight"], s["audio_tower.conv1.bias"] = (e, a.num_mel_bins, 3), (e,)
     s["audio_tower.conv2.weight"], s["audio_tower.conv2.bias"] = (e, e, 3), (e,)
-    for i in range(a["encoder_layers"]):
+    for i in range(a.encoder_layers):
         p = f"audio_tower.layers.{i}."
         for name in ("q_proj", "v_proj", "out_proj"):
             s[p + f"self_attn.{name}.weight"], s[p + f"self_attn.{name}.bias"] = (e, e), (e,)
@@ -123,8 +125,8 @@ def thinker_weight_shapes(thinker: dict) -> dict[str, tuple[int, ...]]:
         s[p + "fc1.weight"], s[p + "fc1.bias"] = (f, e), (f,)
         s[p + "fc2.weight"], s[p + "fc2.bias"] = (e, f), (e,)
     s["audio_tower.ln_post.weight"], s["audio_tower.ln_post.bias"] = (e,), (e,)
-    s["audio_tower.proj.weight"], s["audio_tower.proj.bias"] = (a["output_dim"], e), (a["output_dim"],)
-    s["audio_tower.audio_bos_eos_token.weight"] = (2, a["output_dim"])
+    s["audio_tower.proj.weight"], s["audio_tower.proj.bias"] = (a.output_dim, e), (a.output_dim,)
+    s["audio_tower.audio_bos_eos_token.weight"] = (2, a.output_dim)
     return s
 
 

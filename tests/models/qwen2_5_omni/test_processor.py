@@ -227,3 +227,20 @@ def test_read_video_samples_the_bundled_clip(media_dir):
 def test_processor_from_pretrained_reads_preprocessor_config(tiny_ckpt):
     proc = Processor.from_pretrained(tiny_ckpt)
     assert proc.vision.max_pixels == 12845056 and proc.n_mels == 128
+
+
+def test_real_vocab_checkpoint_streams_with_real_ids(real_vocab_ckpt):
+    from omnitide_mlx.models import load
+
+    model, proc = load(real_vocab_ckpt)
+    assert model.config.vision_start_token_id == 151652 and model.config.text_config.vocab_size == 151936
+    adapter = model.stream_adapter(proc)
+    assert adapter.user_open == [151644, 872, 198]
+    assert adapter.turn_close == [151645, 198, 151644, 77091, 198]
+    unit = adapter.media_unit(np.zeros((56, 56, 3), np.uint8), np.zeros(16000, np.float32), 0.0, 0)
+    assert unit.input_ids[:5].tolist() == [151644, 872, 198, 151652, 151647]
+    assert unit.input_ids[-2:].tolist() == [151648, 151653]
+    system = adapter.system_unit(None, 0)
+    assert proc.decode(system.input_ids) == "system\nYou are Qwen, a virtual human developed by the Qwen Team, " \
+        "Alibaba Group, capable of perceiving auditory and visual inputs, as well as generating text and speech.\n"
+    assert adapter.decode([151644] + proc.encode("用户 hi") + [151645]) == "用户 hi"
