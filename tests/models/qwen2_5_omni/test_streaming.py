@@ -1,5 +1,6 @@
 """The streaming adapter: unit layouts, spans and positions, streaming parity with the offline forward (ours and
-transformers'), greedy decoding after a streamed prefill, bad media, and re-rotation after an OmniPick eviction.
+transformers'), greedy decoding after a streamed prefill, bad media, and re-rotation after an OmniPick eviction;
+through mlx-lm KVCaches and through OmniCache (paged, tile-skip attention, float32 re-rotation on eviction).
 
 Offline reference: every unit's frame is a separate one-grid video (the frame duplicated to the temporal patch,
 1 s per grid) and its audio a separate clip, in one sequence with ``use_audio_in_video=True``.
@@ -28,12 +29,30 @@ def _audio(rng, seconds):
     return (0.1 * rng.standard_normal(int(SR * seconds))).astype(np.float32)
 
 
+def _make_cache(model, kind):
+    """``"mlx_lm"``: mlx-lm KVCaches; ``"omni"``: an OmniCache (float32, paged, tile-skip attention)."""
+    if kind == "mlx_lm":
+        return model.make_cache()
+    from omnitide_mlx.cache import OmniCache
+
+    return OmniCache.for_spec(model.kv_spec(), dtype=mx.float32)
+
+
+def _set_owner(cache, uid, system=False):
+    from omnitide_mlx.cache import OmniCache
+    from omnitide_mlx.core.page import AllocClass
+
+    if isinstance(cache, OmniCache):
+        cache.set_owner(uid, AllocClass.MUST_KEEP if system else AllocClass.RECENT_CONTEXT)
+
+
 def _stream(model, adapter, steps, cache=None):
     """Prepare and prefill ``steps`` one unit at a time; returns (units, logits per unit, history, cache)."""
     history, units, logits = History(), [], []
     cache = model.make_cache() if cache is None else cache
     for i, (kind, args) in enumerate(steps):
         start = history.next_position()
+        _set_owner(cache, i, system=kind == "system")
         if kind == "system":
             u = adapter.system_unit(args, start)
         elif kind == "media":
@@ -125,10 +144,13 @@ def test_unit_layouts_and_spans(tiny, av_stream):
     assert first.extras["vision_tokens"] == 16 and first.extras["audio_tokens"] == 25
 
 
-def test_streaming_equals_transformers_offline(tiny, hf_thinker, av_stream):
+@pytest.mark.parametrize("cache_kind", ["mlx_lm", "omni"])
+def test_streaming_equals_transformers_offline(tiny, hf_thinker, av_stream, cache_kind):
     torch = pytest.importorskip("torch")
-    model, _ = tiny
-    _, units, logits, history, _, inputs = av_stream
+    model, proc = tiny
+    steps, units, logits, history, _, inputs = av_stream
+    if cache_kind == "omni":
+        units, logits, history, _ = _stream(model, model.stream_adapter(proc), steps, _make_cache(model, "omni"))
     t = to_torch(inputs)
     with torch.no_grad():
         ref = hf_thinker(**t).logits[0].numpy()
@@ -140,12 +162,14 @@ def test_streaming_equals_transformers_offline(tiny, hf_thinker, av_stream):
     np.testing.assert_allclose(np.array(model(**inputs))[0], ref, rtol=0, atol=TOL)
 
 
-def test_greedy_after_streamed_prefill_equals_generate(tiny, hf_thinker, av_stream):
+@pytest.mark.parametrize("cache_kind", ["mlx_lm", "omni"])
+def test_greedy_after_streamed_prefill_equals_generate(tiny, hf_thinker, av_stream, cache_kind):
     torch = pytest.importorskip("torch")
     model, proc = tiny
     steps, _, _, _, _, inputs = av_stream
     adapter = model.stream_adapter(proc)
-    _, logits, history, cache = _stream(model, adapter, steps)
+    _, logits, history, cache = _stream(model, adapter, steps, _make_cache(model, cache_kind))
+    _set_owner(cache, len(steps))  # the reply unit
     out, nxt, last = [], history.next_position(), logits[-1][-1]
     for _ in range(6):
         token = int(mx.argmax(last).item())
@@ -293,16 +317,17 @@ def _evict_kv_caches(caches, keep, shifts, rope):
         c.state = (k, v, int(keep.sum()))
 
 
+@pytest.mark.parametrize("cache_kind", ["mlx_lm", "omni"])
 @pytest.mark.parametrize("high, low, n_shifts", [(230, 200, 4),  # older units trimmed to boundaries + sinks
                                                   (150, 120, 2)])  # older units dropped whole
-def test_omnipick_eviction_matches_recompute_with_shifted_positions(tiny, high, low, n_shifts):
+def test_omnipick_eviction_matches_recompute_with_shifted_positions(tiny, high, low, n_shifts, cache_kind):
     from omnitide_mlx.core.pick import OmniPick, apply_plan
 
     model, proc = tiny
     rng = np.random.default_rng(9)
     steps = [("system", None)] + [("media", (_frame(rng, 56, 84), _audio(rng, 1.0))) for _ in range(5)]
     adapter = model.stream_adapter(proc)
-    units, _, history, cache = _stream(model, adapter, steps)
+    units, _, history, cache = _stream(model, adapter, steps, _make_cache(model, cache_kind))
     policy = OmniPick(high=high, low=low, recent_units=2, image_sink=2, audio_sink=2, text_budget=8)
     plan = policy.plan(history)
     assert plan is not None and 0 < plan.deleted_tokens < history.total_tokens
@@ -311,11 +336,18 @@ def test_omnipick_eviction_matches_recompute_with_shifted_positions(tiny, high, 
     new_history = apply_plan(history, plan)
     np.testing.assert_array_equal(new_history.positions(), history.positions()[:, keep] - shifts)
 
-    _evict_kv_caches(cache, keep, shifts, model.kv_spec().rope)
+    if cache_kind == "omni":
+        freed = cache.evict(plan, history)
+        assert freed.size == plan.deleted_tokens and cache.rotated_rows == int((shifts != 0).sum())
+    else:
+        _evict_kv_caches(cache, keep, shifts, model.kv_spec().rope)
     start = new_history.next_position()
     nxt_media = adapter.media_unit(_frame(rng, 84, 56), _audio(rng, 1.0), 5.0, start)
     question = adapter.user_unit("What changed?", int(nxt_media.positions.max()) + 1)
-    streamed = [model.language_model(u.inputs_embeds, cache, u.positions)[0] for u in (nxt_media, question)]
+    streamed = []
+    for uid, u in ((len(steps), nxt_media), (len(steps) + 1, question)):
+        _set_owner(cache, uid)
+        streamed.append(model.language_model(u.inputs_embeds, cache, u.positions)[0])
 
     ref = recompute_reference(model.language_model, mx.concatenate([u.inputs_embeds for u in units]),
                               history.positions(), keep, new_history.positions(),
