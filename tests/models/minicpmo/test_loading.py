@@ -184,6 +184,7 @@ def test_missing_tokenizer_fails_clearly(tmp_path, tiny_dir):
         load(bad)
 
 
+@pytest.mark.slow  # about 10 s on 2 CPU cores (151,748-row embedding and head quantised, two loads)
 def test_quantised_conversion_round_trips(tmp_path, tiny_dir, media_inputs, float_logits):
     out = tmp_path / "q8"
     assert cli_main(["convert", "--model", str(tiny_dir), "--mlx-path", str(out), "-q", "--q-bits", "8"]) == 0
