@@ -13,6 +13,7 @@ import sys
 # name -> module; a module is listed here once its command works
 COMMANDS: dict[str, str] = {
     "convert": "omnitide_mlx.commands.convert",
+    "simulate": "omnitide_mlx.commands.simulate",
 }
 
 

@@ -77,6 +77,30 @@ def _stats_from_occupancy(occ: np.ndarray, page_size: int, subblock_size: int) -
     return LayoutStats(retained, span, int(active.size), int(per_sub.sum()), span - retained, cap)
 
 
+def _has_repeats(a: np.ndarray) -> bool:
+    if a.size < 2:
+        return False
+    b = np.sort(a)
+    return bool((b[1:] == b[:-1]).any())
+
+
+def _value_counts(a: np.ndarray) -> tuple[list[int], list[int]]:
+    """Distinct values and their counts (sort-based; faster here than np.unique's hash path)."""
+    if a.size == 0:
+        return [], []
+    b = np.sort(a)
+    starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]]))
+    counts = np.diff(np.concatenate([starts, [b.size]]))
+    return b[starts].tolist(), counts.tolist()
+
+
+def _count(page_cls: np.ndarray, slots: np.ndarray, klass: np.ndarray | int, page_size: int, sign: int) -> None:
+    """page_cls[slot // page_size, class] += sign for every slot (a bincount: np.add.at is slow)."""
+    idx = (slots // page_size) * _NUM_CLASSES + klass
+    page_cls += sign * np.bincount(np.asarray(idx, dtype=np.int64).reshape(-1),
+                                   minlength=page_cls.size).reshape(page_cls.shape).astype(page_cls.dtype)
+
+
 class PageTable:
     """Slot metadata of a paged KV buffer: occupancy, logical order, owner unit and class of every slot.
 
@@ -103,6 +127,7 @@ class PageTable:
         self._page_cls = np.zeros((0, _NUM_CLASSES), dtype=np.int32)  # entries of each class per page
         self._next_seq = 0
         self._partial: set[int] = set()  # units that lost tokens to a retention plan and still hold some
+        self._unit_count: dict[int, int] = {}  # uid -> retained entries
         if capacity:
             self.grow(capacity // page_size)
 
@@ -176,8 +201,7 @@ class PageTable:
 
     def unit_sizes(self) -> dict[int, int]:
         """uid -> number of retained entries."""
-        uids, counts = np.unique(self._unit[self._unit >= 0], return_counts=True)
-        return {int(u): int(c) for u, c in zip(uids, counts)}
+        return dict(sorted(self._unit_count.items()))
 
     def partial_units(self) -> frozenset[int]:
         """Units that lost tokens to a retention plan and still hold entries (class-aware candidates)."""
@@ -217,7 +241,8 @@ class PageTable:
         self._seq[slots] = np.arange(self._next_seq, self._next_seq + n, dtype=np.int64)
         self._unit[slots] = uid
         self._cls[slots] = int(cls)
-        np.add.at(self._page_cls, (slots // self.page_size, int(cls)), 1)
+        _count(self._page_cls, slots, int(cls), self.page_size, +1)
+        self._unit_count[int(uid)] = self._unit_count.get(int(uid), 0) + n
         self._next_seq += n
         return slots
 
@@ -227,7 +252,7 @@ class PageTable:
             return slots
         if slots.min() < 0 or slots.max() >= self.capacity:
             raise LayoutError(f"{what}: slot out of range [0, {self.capacity})")
-        if np.unique(slots).size != slots.size:
+        if _has_repeats(slots):
             raise LayoutError(f"{what}: a slot is listed twice")
         if (self._seq[slots] < 0).any():
             bad = slots[self._seq[slots] < 0][:5].tolist()
@@ -240,20 +265,25 @@ class PageTable:
                                      "free")
         if slots.size == 0:
             return
-        np.add.at(self._page_cls, (slots // self.page_size, self._cls[slots].astype(np.int64)), -1)
+        _count(self._page_cls, slots, self._cls[slots].astype(np.int64), self.page_size, -1)
+        for u, c in zip(*_value_counts(self._unit[slots])):
+            left = self._unit_count[u] - c
+            if left:
+                self._unit_count[u] = left
+            else:
+                del self._unit_count[u]
+                self._partial.discard(u)
         self._seq[slots] = FREE
         self._unit[slots] = FREE
         self._cls[slots] = FREE
-        live = set(np.unique(self._unit[self._unit >= 0]).tolist()) if self._partial else set()
-        self._partial &= live
 
     def set_class(self, slots: np.ndarray, cls: AllocClass | int) -> None:
         """Re-tag occupied slots (placement metadata only; the cache's tensors do not change)."""
         slots = self._check_occupied(slots, "set_class")
         cls = AllocClass(cls)
-        np.add.at(self._page_cls, (slots // self.page_size, self._cls[slots].astype(np.int64)), -1)
+        _count(self._page_cls, slots, self._cls[slots].astype(np.int64), self.page_size, -1)
         self._cls[slots] = int(cls)
-        np.add.at(self._page_cls, (slots // self.page_size, int(cls)), 1)
+        _count(self._page_cls, slots, int(cls), self.page_size, +1)
 
     def apply_retention(self, plan: Any) -> np.ndarray:
         """Free the slots of the tokens a retention plan deletes; returns them (the cache drops those rows).
@@ -295,12 +325,12 @@ class PageTable:
         src, dst = plan.src, plan.dst
         if src.size:
             seq, unit, cls = self._seq[src].copy(), self._unit[src].copy(), self._cls[src].copy()
-            np.add.at(self._page_cls, (src // self.page_size, cls.astype(np.int64)), -1)
+            _count(self._page_cls, src, cls.astype(np.int64), self.page_size, -1)
             self._seq[src] = FREE
             self._unit[src] = FREE
             self._cls[src] = FREE
             self._seq[dst], self._unit[dst], self._cls[dst] = seq, unit, cls
-            np.add.at(self._page_cls, (dst // self.page_size, cls.astype(np.int64)), 1)
+            _count(self._page_cls, dst, cls.astype(np.int64), self.page_size, +1)
         for p in plan.promote:
             sl = np.arange(p * self.page_size, (p + 1) * self.page_size)
             self.set_class(sl[self._seq[sl] >= 0], AllocClass.SELECTED_HISTORY)
@@ -312,15 +342,17 @@ class PageTable:
         if not np.array_equal(occ, self._unit >= 0) or not np.array_equal(occ, self._cls >= 0):
             raise LayoutError("a slot is half free: seq, unit and class disagree")
         seqs = self._seq[occ]
-        if np.unique(seqs).size != seqs.size:
+        if _has_repeats(seqs):
             raise LayoutError("two slots share a serial")
         if seqs.size and seqs.max() >= self._next_seq:
             raise LayoutError("a serial is not below next_seq")
         counts = np.zeros_like(self._page_cls)
         slots = np.flatnonzero(occ)
-        np.add.at(counts, (slots // self.page_size, self._cls[slots].astype(np.int64)), 1)
+        _count(counts, slots, self._cls[slots].astype(np.int64), self.page_size, +1)
         if not np.array_equal(counts, self._page_cls):
             raise LayoutError("per-page class counters do not match the slots")
+        if self._unit_count != dict(zip(*_value_counts(self._unit[occ]))):
+            raise LayoutError("per-unit entry counters do not match the slots")
         if not self._partial <= set(self.unit_sizes()):
             raise LayoutError("a partial unit holds no entries")
 
@@ -362,12 +394,13 @@ class PageTable:
             raise LayoutError(f"bad page-table state: {e}") from e
         if not (slots.shape == seq.shape == unit.shape == klass.shape):
             raise LayoutError("bad page-table state: slot, seq, unit and cls lists differ in length")
-        if slots.size and (slots.min() < 0 or slots.max() >= t.capacity or np.unique(slots).size != slots.size):
+        if slots.size and (slots.min() < 0 or slots.max() >= t.capacity or _has_repeats(slots)):
             raise LayoutError("bad page-table state: slots out of range or repeated")
         if slots.size and (seq.min() < 0 or unit.min() < 0 or klass.min() < 0 or klass.max() >= _NUM_CLASSES):
             raise LayoutError("bad page-table state: negative serial / owner or unknown class")
         t._seq[slots], t._unit[slots], t._cls[slots] = seq, unit, klass
-        np.add.at(t._page_cls, (slots // t.page_size, klass), 1)
+        _count(t._page_cls, slots, klass, t.page_size, +1)
+        t._unit_count = dict(zip(*_value_counts(unit)))
         t._next_seq = next_seq
         t._partial = partial
         t.validate()
@@ -378,6 +411,7 @@ class PageTable:
         t._seq, t._unit, t._cls = self._seq.copy(), self._unit.copy(), self._cls.copy()
         t._page_cls = self._page_cls.copy()
         t._next_seq, t._partial = self._next_seq, set(self._partial)
+        t._unit_count = dict(self._unit_count)
         return t
 
     def __repr__(self) -> str:
@@ -406,22 +440,24 @@ def check_move_order(src: np.ndarray, dst: np.ndarray, occupied: np.ndarray) -> 
     cap = occupied.shape[0]
     if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= cap:
         raise LayoutError(f"migration: slot out of range [0, {cap})")
-    if np.unique(src).size != src.size:
+    if _has_repeats(src):
         raise LayoutError("migration: an entry is moved twice (repeated source)")
-    if np.unique(dst).size != dst.size:
+    if _has_repeats(dst):
         raise LayoutError("migration: two moves write the same destination")
     if (src == dst).any():
         raise LayoutError("migration: a move onto its own slot")
     if not occupied[src].all():
         raise LayoutError(f"migration: sources {src[~occupied[src]][:5].tolist()} are free")
-    order = {int(s): i for i, s in enumerate(src)}
-    for i, d in enumerate(dst.tolist()):
-        j = order.get(d)
-        if j is None:
-            if occupied[d]:
-                raise LayoutError(f"migration: destination {d} holds an entry that no move reads")
-        elif j >= i:
-            raise LayoutError(f"migration: move {i} writes slot {d} before move {j} reads it")
+    index_of_src = np.full(cap, -1, dtype=np.int64)
+    index_of_src[src] = np.arange(src.size)
+    j = index_of_src[dst]  # which move reads each destination (-1: none)
+    clobber = (j < 0) & occupied[dst]
+    if clobber.any():
+        raise LayoutError(f"migration: destination {int(dst[clobber][0])} holds an entry that no move reads")
+    late = j >= np.arange(dst.size)
+    if late.any():
+        i = int(np.flatnonzero(late)[0])
+        raise LayoutError(f"migration: move {i} writes slot {int(dst[i])} before move {int(j[i])} reads it")
 
 
 @dataclass(frozen=True)

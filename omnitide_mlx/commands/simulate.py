@@ -1,0 +1,120 @@
+"""``omnitide simulate``: run a retention policy over a synthetic unit stream with the native, OmniPage and eager
+KV layouts side by side, with no model, and report span, active tiles and cells moved."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HELP = "simulate OmniPick retention and KV layouts (native / OmniPage / eager) on a synthetic stream, no model"
+DESCRIPTION = """Simulate a stream of one unit a second (a 1344x1344 frame plus a second of audio at the model's token
+counts, paper table 1) with a question and a reply every N seconds. The policy trims the history above the high
+watermark; the native, OmniPage and eager layouts follow the same plans side by side. Writes per-update records
+(retained cells, physical span, active pages and subblocks, holes, cells moved, peak span, KV bytes) as JSON and
+a plot like paper figures 8 and 12.
+
+examples:
+  omnitide simulate --profile qwen2.5-omni-7b --seconds 240 --json out.json --plot out.png
+  omnitide simulate --profile minicpm-o-4.5 --seconds 86400 --series-every 60 --json day.json
+  omnitide simulate --profile qwen2.5-omni-7b --policy streamingllm --migration ordered_suffix
+"""
+
+POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from omnitide_mlx.core.profiles import PROFILES  # light: pure Python + numpy
+
+    p.add_argument("--profile", default="qwen2.5-omni-7b", choices=sorted(PROFILES),
+                   help="model profile: token rates, unit layout, KV shape (default qwen2.5-omni-7b)")
+    p.add_argument("--seconds", type=int, default=240, help="stream length in seconds (default 240)")
+    p.add_argument("--policy", choices=POLICIES, default="omnitide", help="retention policy (default omnitide)")
+    p.add_argument("--high", type=int, default=None, help="high watermark in tokens (default: the profile's, 2500)")
+    p.add_argument("--low", type=int, default=None, help="low watermark in tokens (default: the profile's, 1800)")
+    p.add_argument("--recent-units", type=int, default=None, help="OmniPick: newest units kept whole")
+    p.add_argument("--image-sink", type=int, default=None, help="OmniPick: sink prefix of older image spans")
+    p.add_argument("--audio-sink", type=int, default=None, help="OmniPick: sink prefix of older audio spans")
+    p.add_argument("--slice-sink", type=int, default=None, help="OmniPick: sink prefix of older image slices")
+    p.add_argument("--text-budget", type=int, default=None, help="OmniPick: shared budget for older text/replies")
+    p.add_argument("--migration", choices=["class_aware", "ordered_suffix"], default="class_aware",
+                   help="OmniPage migration: class_aware (tile-skipping kernels, the MLX path; default) or "
+                        "ordered_suffix (span-traversing kernels)")
+    p.add_argument("--min-gain-pages", type=int, default=1, help="ordered_suffix: least span gain in pages (1)")
+    p.add_argument("--page-size", type=int, default=64, help="slots per page = attention tile (default 64)")
+    p.add_argument("--subblock-size", type=int, default=32, help="slots per subblock = decode tile (default 32)")
+    p.add_argument("--question-every", type=int, default=30,
+                   help="a question and a reply every N seconds; 0 = never (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="stream seed: question and reply lengths (default 0)")
+    p.add_argument("--series-every", type=int, default=None,
+                   help="keep every Nth update in the JSON series (default: all, or about 5000 points)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
+    p.add_argument("--plot", default=None, help="write the plot (PNG) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true", help="validate every page table against the history each update")
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnitide_mlx.core.page import LayoutError
+    from omnitide_mlx.core.pick import RetentionError, make_policy
+    from omnitide_mlx.core.profiles import ProfileError, StreamSpec, get_profile
+    from omnitide_mlx.core.sim import SimError, Simulator, plot_result
+
+    try:
+        profile = get_profile(args.profile)
+        kw = {k: v for k, v in (("high", args.high), ("low", args.low), ("recent_units", args.recent_units),
+                                ("image_sink", args.image_sink), ("audio_sink", args.audio_sink),
+                                ("slice_sink", args.slice_sink), ("text_budget", args.text_budget))
+              if v is not None}
+        if "high" in kw and "low" not in kw:
+            kw["low"] = min(kw["high"], profile.low)
+        if "low" in kw and "high" not in kw:
+            kw["high"] = max(kw["low"], profile.high)
+        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget"}
+        if args.policy not in ("omnitide", "omnipick", "eager") and knobs & set(kw):
+            print(f"error: {sorted(knobs & set(kw))} apply to omnipick / omnitide / eager only", file=sys.stderr)
+            return 2
+        policy = make_policy(args.policy, profile=profile, **kw)
+        stream = StreamSpec(args.seconds, question_every=args.question_every, seed=args.seed)
+        sim = Simulator(profile, policy, stream, migration=args.migration, page_size=args.page_size,
+                        subblock_size=args.subblock_size, min_gain_pages=args.min_gain_pages, check=args.check)
+    except (RetentionError, ProfileError, SimError, LayoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n_updates = args.seconds + (2 * (args.seconds // args.question_every) if args.question_every else 0)
+    every = args.series_every if args.series_every is not None else max(1, n_updates // 5000)
+    progress = not args.no_progress and n_updates >= 2000
+    result = sim.run(progress=progress, series_every=every).to_json()
+    result["series_every"] = every
+
+    lay = result["layouts"]
+    print(f"{profile.display}, policy {result['policy']} (high {policy.high} / low {policy.low}), "
+          f"{args.seconds} s, {result['updates']} updates, {result['trims']} trims, "
+          f"{result['full_context_tokens']} tokens streamed, KV {profile.kv_bytes_per_token} B/token")
+    print(f"{'layout':10} {'retained':>9} {'span':>7} {'pages':>6} {'subblk':>7} {'holes':>6} {'peak span':>10} "
+          f"{'moved cells':>12} {'KV MiB':>8}")
+    for name, d in lay.items():
+        f = d["final"]
+        print(f"{name:10} {f['retained_cells']:9d} {f['physical_span']:7d} {f['active_pages']:6d} "
+              f"{f['active_subblocks']:7d} {f['holes']:6d} {d['peak']['peak_span']:10d} "
+              f"{d['moved_cells_total']:12d} {f['kv_bytes'] / 2**20:8.1f}")
+    if "native" in lay and "omnipage" in lay and lay["native"]["final"]["physical_span"]:
+        r = lay["omnipage"]["final"]["physical_span"] / lay["native"]["final"]["physical_span"]
+        print(f"OmniPage ({lay['omnipage']['migration']}) final span = {r:.3f} x native")
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot needs matplotlib (pip install 'omnitide-mlx[plot]')", file=sys.stderr)
+            return 1
+        path = Path(args.plot)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plot_result(result, str(path))
+        print(f"wrote {path}")
+    return 0

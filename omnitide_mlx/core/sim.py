@@ -1,0 +1,373 @@
+"""Trace-driven simulator: a retention policy and KV layouts over a unit stream, with no model.
+
+The stream (profiles.StreamSpec) is one unit a second at the model's token counts, plus a question and a reply
+every N seconds. Each update prefills one unit (its tokens get slots), the policy plans a trim when the history
+is above the high watermark, every layout frees the deleted tokens' slots, and the layout's migration planner
+may move entries. Retention does not depend on the layout, so one history drives all layouts side by side and
+they see exactly the same plans.
+
+Layouts:
+
+- ``native``: first-fit placement (llama.cpp's ``find_slot`` after ``seq_rm``), never moves.
+- ``omnipage``: class-aware placement and selective migration (``class_aware`` for tile-skipping kernels, or
+  ``ordered_suffix`` for span-traversing ones).
+- ``eager``: first-fit placement, and everything packed to a contiguous prefix after every eviction.
+
+Per update the simulator records the layout after maintenance (retained cells, physical span, active pages and
+subblocks, holes, cells moved, bytes) and the span attention walked during the update's prefill (``peak_span`` is
+its running maximum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .page import AllocClass, LayoutStats, MigrationPlanner, PageTable
+from .pick import RetentionPolicy, apply_plan, make_policy
+from .profiles import ModelProfile, StreamSpec, build_unit, get_profile
+from .units import History
+
+LAYOUT_NAMES = ("native", "omnipage", "eager")
+MIGRATION_FOR_OMNIPAGE = ("class_aware", "ordered_suffix")
+
+
+class SimError(ValueError):
+    """A bad simulator request (unknown layout, impossible checkpoint, ...)."""
+
+
+def make_layout(name: str, page_size: int = 64, subblock_size: int = 32, migration: str = "class_aware",
+                min_gain_pages: int = 1) -> tuple[PageTable, MigrationPlanner]:
+    """The page table and migration planner of a layout by name (native / omnipage / eager)."""
+    if name == "native":
+        return PageTable(page_size, subblock_size, placement="first_fit"), MigrationPlanner("native")
+    if name == "eager":
+        return PageTable(page_size, subblock_size, placement="first_fit"), MigrationPlanner("eager")
+    if name == "omnipage":
+        if migration not in MIGRATION_FOR_OMNIPAGE:
+            raise SimError(f"OmniPage migration must be one of {MIGRATION_FOR_OMNIPAGE}, got {migration!r}")
+        # paper 6.2: the ordered-suffix mode "replaces class-based placement"
+        placement = "class_aware" if migration == "class_aware" else "first_fit"
+        return (PageTable(page_size, subblock_size, placement=placement),
+                MigrationPlanner(migration, min_gain_pages=min_gain_pages))
+    raise SimError(f"unknown layout {name!r}; choose from {LAYOUT_NAMES}")
+
+
+_MEAN_KEYS = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "holes", "prefill_span",
+              "prefill_active_pages", "kv_bytes")
+
+
+@dataclass
+class LayoutTrace:
+    """One layout's state and measurements over a run."""
+
+    name: str
+    table: PageTable
+    planner: MigrationPlanner
+    kv_bytes_per_token: int
+    moved_cells_total: int = 0
+    migrations: int = 0
+    peak_span: int = 0
+    peak: dict = field(default_factory=dict)
+    sums: dict = field(default_factory=dict)  # running sums over every update, for the time means
+    series: list = field(default_factory=list)
+    final: dict = field(default_factory=dict)
+
+    def _bump_peak(self, s: LayoutStats) -> None:
+        for k, v in (("retained_cells", s.retained_cells), ("physical_span", s.physical_span),
+                     ("active_pages", s.active_pages), ("active_subblocks", s.active_subblocks),
+                     ("holes", s.holes), ("capacity", s.capacity)):
+            if v > self.peak.get(k, -1):
+                self.peak[k] = v
+
+    def record(self, s: LayoutStats, prefill: LayoutStats, moved: int, base: dict) -> dict:
+        b = self.kv_bytes_per_token
+        self.peak_span = max(self.peak_span, prefill.physical_span, s.physical_span)
+        self._bump_peak(prefill)
+        self._bump_peak(s)
+        rec = {
+            **base,
+            "retained_cells": s.retained_cells,
+            "physical_span": s.physical_span,
+            "active_pages": s.active_pages,
+            "active_subblocks": s.active_subblocks,
+            "holes": s.holes,
+            "capacity": s.capacity,
+            "moved_cells": moved,
+            "moved_cells_total": self.moved_cells_total,
+            "prefill_span": prefill.physical_span,
+            "prefill_active_pages": prefill.active_pages,
+            "peak_span": self.peak_span,
+            "kv_bytes": s.physical_span * b,
+            "useful_bytes": s.retained_cells * b,
+            "capacity_bytes": s.capacity * b,
+        }
+        for k in _MEAN_KEYS:
+            self.sums[k] = self.sums.get(k, 0) + rec[k]
+        self.sums["_n"] = self.sums.get("_n", 0) + 1
+        self.final = rec
+        return rec
+
+    def summary(self) -> dict:
+        b = self.kv_bytes_per_token
+        peak = dict(self.peak)
+        peak["peak_span"] = self.peak_span
+        peak["kv_bytes"] = peak.get("physical_span", 0) * b
+        peak["useful_bytes"] = peak.get("retained_cells", 0) * b
+        peak["capacity_bytes"] = peak.get("capacity", 0) * b
+        n = max(1, self.sums.get("_n", 0))
+        mean = {k: round(self.sums.get(k, 0) / n, 2) for k in _MEAN_KEYS}
+        return {"placement": self.table.placement, "migration": self.planner.mode,
+                "final": dict(self.final), "peak": peak, "mean": mean, "moved_cells_total": self.moved_cells_total,
+                "moved_bytes_total": self.moved_cells_total * b, "migrations": self.migrations,
+                "series": self.series}
+
+
+class Simulator:
+    """Drives one history through a policy and several layouts, one unit at a time."""
+
+    def __init__(self, profile: ModelProfile | str, policy: RetentionPolicy | str, stream: StreamSpec,
+                 layouts: Sequence[str] = LAYOUT_NAMES, migration: str = "class_aware",
+                 page_size: int = 64, subblock_size: int = 32, min_gain_pages: int = 1, check: bool = False):
+        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        self.policy = make_policy(policy, profile=self.profile) if isinstance(policy, str) else policy
+        self.stream = stream
+        if not layouts:
+            raise SimError("no layout to simulate")
+        self.layouts: dict[str, LayoutTrace] = {}
+        for name in layouts:
+            table, planner = make_layout(name, page_size, subblock_size, migration, min_gain_pages)
+            self.layouts[name] = LayoutTrace(name, table, planner, self.profile.kv_bytes_per_token)
+        self.check = check
+        self.history = History([self.profile.system_unit(0)])
+        for lt in self.layouts.values():
+            lt.table.allocate(self.history[0].length, 0, AllocClass.MUST_KEEP)
+        self.full_context_tokens = self.history.total_tokens
+        self.updates = 0
+        self.trims = 0
+        self._uid = 1
+        # H2O needs accumulated attention; without a model we use a seeded heavy-tailed proxy (layout only)
+        self._scores = np.zeros(self.history.total_tokens) if self.policy.needs_scores else None
+        self._score_rng = np.random.default_rng(stream.seed + 7919)
+
+    def _accumulate_scores(self, new_tokens: int) -> None:
+        total = self.history.total_tokens
+        self._scores = np.concatenate([self._scores, np.zeros(new_tokens)])
+        self._scores += self._score_rng.gamma(0.3, size=total) * (new_tokens / total)
+
+    def step(self, event) -> dict[str, dict]:
+        """Prefill one unit, trim, migrate; returns each layout's record of this update."""
+        unit = build_unit(self.profile, event, self._uid, self.history.next_position())
+        self._uid += 1
+        self.history.append(unit)
+        self.full_context_tokens += unit.length
+        self.updates += 1
+        prefill: dict[str, LayoutStats] = {}
+        for name, lt in self.layouts.items():
+            lt.table.allocate(unit.length, unit.uid, AllocClass.RECENT_CONTEXT)
+            prefill[name] = lt.table.stats()
+        if self._scores is not None:
+            self._accumulate_scores(unit.length)
+        plan = self.policy.plan(self.history, self._scores)
+        moved: dict[str, int] = {name: 0 for name in self.layouts}
+        if plan is not None:
+            self.trims += 1
+            if self._scores is not None:
+                self._scores = self._scores[plan.keep_mask()]
+            self.history = apply_plan(self.history, plan)
+            for name, lt in self.layouts.items():
+                lt.table.apply_retention(plan)
+                mp = lt.planner.plan(lt.table)
+                if mp.accepted:
+                    lt.table.apply_migration(mp)
+                    moved[name] = mp.moved
+                    lt.moved_cells_total += mp.moved
+                    lt.migrations += 1
+        base = {"update": self.updates, "t": event.t, "kind": event.kind, "uid": unit.uid,
+                "full_context_tokens": self.full_context_tokens, "trimmed": plan is not None}
+        out = {}
+        for name, lt in self.layouts.items():
+            if self.check:
+                lt.table.validate()
+                lt.table.check_history(self.history)
+            out[name] = lt.record(lt.table.stats(), prefill[name], moved[name], base)
+        return out
+
+    def run(self, progress: bool = False, series_every: int = 1, until_tokens: int | None = None) -> "SimResult":
+        """Run the whole stream (or until the full-context history reaches ``until_tokens``)."""
+        events: Iterable = self.stream.events()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            total = self.stream.seconds + (2 * (self.stream.seconds // self.stream.question_every)
+                                           if self.stream.question_every else 0)
+            bar = tqdm(total=total, unit="unit", desc=f"simulate {self.profile.name}", mininterval=0.5,
+                       leave=False)
+        try:
+            for event in events:
+                recs = self.step(event)
+                if bar is not None:
+                    bar.update(1)
+                if series_every and (self.updates % series_every == 0 or self.updates == 1):
+                    for name, rec in recs.items():
+                        self.layouts[name].series.append(rec)
+                if until_tokens is not None and self.full_context_tokens >= until_tokens:
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        for lt in self.layouts.values():  # the last update is always in the series
+            if lt.final and (not lt.series or lt.series[-1] is not lt.final):
+                lt.series.append(lt.final)
+        return SimResult(self)
+
+
+@dataclass
+class SimResult:
+    sim: Simulator
+
+    def to_json(self) -> dict:
+        s = self.sim
+        return {
+            "profile": s.profile.name,
+            "policy": s.policy.name,
+            "seconds": s.stream.seconds,
+            "policy_config": s.policy.config(),
+            "profile_info": s.profile.to_json(),
+            "stream": s.stream.to_json(),
+            "updates": s.updates,
+            "trims": s.trims,
+            "full_context_tokens": s.full_context_tokens,
+            "page_size": next(iter(s.layouts.values())).table.page_size,
+            "subblock_size": next(iter(s.layouts.values())).table.subblock_size,
+            "layouts": {name: lt.summary() for name, lt in s.layouts.items()},
+        }
+
+
+def simulate(profile: ModelProfile | str, policy: RetentionPolicy | str = "omnitide", seconds: int = 240,
+             *, question_every: int = 30, seed: int = 0, layouts: Sequence[str] = LAYOUT_NAMES,
+             migration: str = "class_aware", page_size: int = 64, subblock_size: int = 32,
+             min_gain_pages: int = 1, progress: bool = False, series_every: int = 1,
+             check: bool = False, **policy_kw: Any) -> dict:
+    """Run a stream and return the JSON-able result (see ``omnitide simulate``)."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    pol = make_policy(policy, profile=prof, **policy_kw) if isinstance(policy, str) else policy
+    sim = Simulator(prof, pol, StreamSpec(seconds, question_every=question_every, seed=seed), layouts,
+                    migration, page_size, subblock_size, min_gain_pages, check)
+    return sim.run(progress=progress, series_every=series_every).to_json()
+
+
+@dataclass(frozen=True)
+class LayoutSnapshot:
+    """The layout a policy + layout produce once the full-context history reaches ``tokens``."""
+
+    table: PageTable
+    history: History
+    full_context_tokens: int
+    seconds: float
+    updates: int
+
+
+def snapshot_at(profile: ModelProfile | str, policy: RetentionPolicy | str, layout: str, tokens: int, *,
+                question_every: int = 30, seed: int = 0, migration: str = "class_aware", page_size: int = 64,
+                subblock_size: int = 32, min_gain_pages: int = 1, **policy_kw: Any) -> LayoutSnapshot:
+    """Stream until the no-slide history would hold ``tokens`` tokens (paper 7.1's no-slide checkpoints),
+    finishing that update (prefill, trim, migration), and return the layout then."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    pol = make_policy(policy, profile=prof, **policy_kw) if isinstance(policy, str) else policy
+    if tokens <= prof.system_tokens:
+        raise SimError(f"checkpoint {tokens} is not past the {prof.system_tokens}-token system prompt")
+    # enough seconds to get there, whatever the question rate
+    seconds = int(tokens // prof.media_unit_tokens) + 2
+    sim = Simulator(prof, pol, StreamSpec(seconds, question_every=question_every, seed=seed), (layout,),
+                    migration, page_size, subblock_size, min_gain_pages)
+    sim.run(series_every=0, until_tokens=tokens)
+    if sim.full_context_tokens < tokens:  # pragma: no cover - seconds above always suffice
+        raise SimError(f"stream ended at {sim.full_context_tokens} tokens before the {tokens} checkpoint")
+    lt = sim.layouts[layout]
+    return LayoutSnapshot(lt.table.copy(), sim.history, sim.full_context_tokens,
+                          float(lt.final.get("t", 0.0)), sim.updates)
+
+
+def page_table_at(profile: ModelProfile | str, policy: RetentionPolicy | str, layout: str, tokens: int,
+                  **kw: Any) -> PageTable:
+    """The PageTable (slot occupancy, serials, owners, classes) of :func:`snapshot_at`."""
+    return snapshot_at(profile, policy, layout, tokens, **kw).table
+
+
+# --- plot -------------------------------------------------------------------------------------------------
+
+_COLORS = {"native": "#c0504d", "omnipage": "#4f81bd", "eager": "#9bbb59"}
+
+
+def plot_result(result: dict, path: str) -> None:
+    """Span against useful cells over time per layout (paper figure 8), active pages over time (what a
+    tile-skipping kernel reads), final useful / waste bars with the peak span (figure 12), and cells moved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = result["layouts"]
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9), gridspec_kw={"width_ratios": [2.2, 1]})
+    first = next(iter(layouts.values()))["series"]
+    ax = axes[0, 0]
+    ax.plot([r["t"] for r in first], [r["retained_cells"] for r in first], color="black", lw=1.0, ls="--",
+            label="retained (useful) cells")
+    for name, lay in layouts.items():
+        ser = lay["series"]
+        ax.plot([r["t"] for r in ser], [r["physical_span"] for r in ser], color=_COLORS.get(name), lw=1.1,
+                label=f"{name}{'' if lay['migration'] == name else ' (' + lay['migration'] + ')'}: physical span, "
+                      f"mean {lay['mean']['physical_span']:.0f}")
+    ax.set_ylabel("KV slots after each update")
+    ax.set_title(f"{result['profile']} / {result['policy']}: physical span vs useful cells")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+
+    ax = axes[1, 0]
+    for name, lay in layouts.items():
+        ser = lay["series"]
+        ax.plot([r["t"] for r in ser], [r["active_pages"] for r in ser], color=_COLORS.get(name), lw=1.1,
+                label=f"{name}: mean {lay['mean']['active_pages']:.1f}")
+    ax.set_xlabel("stream time (s)")
+    ax.set_ylabel(f"active {result.get('page_size', 64)}-slot pages")
+    ax.set_title("tiles a tile-skipping kernel reads")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+
+    ax = axes[0, 1]
+    names = list(layouts)
+    useful = [layouts[n]["final"]["retained_cells"] for n in names]
+    span = [layouts[n]["final"]["physical_span"] for n in names]
+    waste = [sp - u for sp, u in zip(span, useful)]
+    peak = [layouts[n]["peak"]["peak_span"] for n in names]
+    x = np.arange(len(names))
+    ax.bar(x, useful, color="#7f7f7f", label="useful cells")
+    ax.bar(x, waste, bottom=useful, color=[_COLORS.get(n, "#999") for n in names], alpha=0.6,
+           label="span waste (holes)")
+    for i, (sp, u) in enumerate(zip(span, useful)):
+        ax.text(i, sp, f"{sp}\n({sp / max(u, 1):.2f}x)", ha="center", va="bottom", fontsize=8)
+    ax.plot(x, peak, "k-o", lw=1, ms=4, label="cumulative peak span")
+    top = max(peak + span) * 1.3
+    ax.set_ylim(0, top)
+    ax.set_xticks(x, names)
+    ax.set_ylabel("KV slots")
+    ax.set_title(f"final layout (t = {first[-1]['t']:.0f} s)")
+    ax.legend(fontsize=8, loc="upper right")
+
+    ax = axes[1, 1]
+    for name, lay in layouts.items():
+        ser = lay["series"]
+        ax.plot([r["t"] for r in ser], [r["moved_cells_total"] for r in ser], color=_COLORS.get(name), lw=1.3,
+                label=f"{name}: {lay['moved_cells_total']} cells")
+    ax.set_xlabel("stream time (s)")
+    ax.set_ylabel("cells moved (cumulative)")
+    ax.set_title("migration cost")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,177 @@
+"""Profiles, the stream generator, the simulator and ``omnitide simulate``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from omnitide_mlx.cli import main as cli_main
+from omnitide_mlx.core.page import AllocClass
+from omnitide_mlx.core.pick import H2O, OmniPick, StreamingLLM, make_policy
+from omnitide_mlx.core.profiles import PROFILES, ProfileError, StreamSpec, get_profile
+from omnitide_mlx.core.sim import (
+    LAYOUT_NAMES,
+    SimError,
+    Simulator,
+    make_layout,
+    page_table_at,
+    simulate,
+    snapshot_at,
+)
+from omnitide_mlx.core.units import SpanKind
+
+
+def test_profiles_match_table_1_and_the_real_shapes():
+    q7, q3 = get_profile("qwen2.5-omni-7b"), get_profile("qwen2.5-omni-3b")
+    m45, m26 = get_profile("minicpm-o-4.5"), get_profile("minicpm-o-2.6")
+    assert q7.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+    assert q3.kv_bytes_per_token == 2 * 36 * 2 * 128 * 2
+    assert m45.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
+    assert m26.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+    # table 1: ~2,300 tokens a unit for Qwen, ~700 for MiniCPM (image 640 = source + 3x3 slices of 64)
+    assert q7.media_unit_tokens == 2 + 2304 + 25 + 2
+    assert m45.media_unit_tokens == 675 and m26.media_unit_tokens == 690
+    u = m45.media_unit(3, 100)
+    kinds = [s.kind for s in u.spans]
+    assert kinds.count(SpanKind.IMAGE_SLICE) == 9 and kinds.count(SpanKind.IMAGE_SOURCE) == 1
+    assert sum(s.length for s in u.spans_of(SpanKind.AUDIO)) == 10
+    assert sum(s.length for s in u.spans_of(SpanKind.BOUNDARY)) == 675 - 640 - 10
+    assert np.array_equal(u.positions[0], np.arange(100, 775))
+
+
+def test_qwen_unit_uses_tmrope_positions():
+    u = get_profile("qwen2.5-omni-7b").media_unit(1, 50)
+    pos = u.positions
+    assert pos.shape == (3, 2333)
+    assert (pos[:, :2] == 50).all()  # <|vision_bos|><|audio_bos|> share a position
+    video = pos[:, 2:2306]
+    assert (video[0] == 51).all() and video[1].max() == 51 + 47 and video[2].max() == 51 + 47
+    assert np.array_equal(pos[:, 2306:2331], np.broadcast_to(np.arange(51, 76), (3, 25)))
+    assert (pos[:, -2:] == 51 + 48).all()  # both eos at max + 1
+
+
+def test_policy_defaults_come_from_the_profile_and_keywords_win():
+    p = make_policy("omnitide", profile="minicpm-o-4.5")
+    assert (p.high, p.low) == (2500, 1800) and p.recent_units == 2
+    p = make_policy("omnitide", profile="minicpm-o-4.5", slice_sink=5, low=1000)
+    assert p.slice_sink == 5 and p.low == 1000
+    assert make_policy("streamingllm", profile="qwen2.5-omni-7b").sink == 2  # OmniPick knobs are filtered out
+    with pytest.raises(ProfileError, match="unknown profile"):
+        get_profile("llava")
+
+
+def test_stream_is_deterministic_by_seed():
+    a = list(StreamSpec(120, question_every=30, seed=4).events())
+    b = list(StreamSpec(120, question_every=30, seed=4).events())
+    c = list(StreamSpec(120, question_every=30, seed=5).events())
+    assert a == b and a != c
+    assert sum(e.kind == "media" for e in a) == 120 and sum(e.kind == "question" for e in a) == 4
+    with pytest.raises(ProfileError):
+        StreamSpec(10, reply_tokens=(5, 2))
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("policy", ["omnitide", "fifo", "token", "streamingllm", "h2o", "full"])
+def test_simulator_keeps_tables_and_history_in_step(profile, policy):
+    """check=True validates every layout's table against the history after each update (invariant 6)."""
+    prof = get_profile(profile)
+    pol = make_policy(policy, profile=prof)
+    sim = Simulator(prof, pol, StreamSpec(12, question_every=4, seed=1), check=True)
+    for event in sim.stream.events():
+        recs = sim.step(event)
+        retained = {r["retained_cells"] for r in recs.values()}
+        assert retained == {sim.history.total_tokens}  # every layout holds exactly the retained history
+        assert sim.history[0].length == prof.system_tokens  # invariant 1: the system prefix survives
+        if isinstance(pol, OmniPick) and recs["native"]["trimmed"]:
+            assert sim.history.total_tokens <= pol.low or len(sim.history.stream_units) == 1  # invariant 2
+        eager = sim.layouts["eager"].table
+        if recs["eager"]["trimmed"]:
+            assert recs["eager"]["holes"] < eager.page_size  # packed after every eviction
+        paged = sim.layouts["omnipage"].table
+        assert (paged.cls[paged.slots_of_unit(0)] == AllocClass.MUST_KEEP).all()
+    if policy == "full":
+        assert sim.trims == 0
+
+
+def test_same_seed_same_numbers():
+    a = simulate("minicpm-o-4.5", "omnitide", 90, seed=3)
+    b = simulate("minicpm-o-4.5", "omnitide", 90, seed=3)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    h1 = simulate("qwen2.5-omni-3b", "h2o", 20, seed=3)
+    h2 = simulate("qwen2.5-omni-3b", "h2o", 20, seed=3)
+    assert json.dumps(h1, sort_keys=True) == json.dumps(h2, sort_keys=True)
+
+
+@pytest.mark.parametrize("profile", ["qwen2.5-omni-7b", "minicpm-o-4.5"])
+def test_long_stream_memory_is_flat_after_the_first_trims(profile):
+    sim = Simulator(profile, "omnitide", StreamSpec(900, question_every=30, seed=0))
+    cap_after_warmup = None
+    spans = []
+    for event in sim.stream.events():
+        recs = sim.step(event)
+        if event.t >= 60 and cap_after_warmup is None:
+            cap_after_warmup = {n: r["capacity"] for n, r in recs.items()}
+        if event.t >= 60:
+            spans.append(max(r["physical_span"] for r in recs.values()))
+    assert {n: lt.table.capacity for n, lt in sim.layouts.items()} == cap_after_warmup
+    assert max(spans) <= max(cap_after_warmup.values())
+    assert sim.history.total_tokens <= sim.policy.high
+
+
+def test_page_table_at_a_no_slide_checkpoint():
+    for layout in LAYOUT_NAMES:
+        snap = snapshot_at("qwen2.5-omni-7b", "omnitide", layout, 8192)
+        assert snap.full_context_tokens >= 8192
+        snap.table.check_history(snap.history)
+        assert snap.table.stats().retained_cells == snap.history.total_tokens
+    full = page_table_at("minicpm-o-4.5", "full", "native", 4096)
+    assert full.stats().retained_cells >= 4096 and full.stats().holes < full.page_size
+    with pytest.raises(SimError, match="system"):
+        page_table_at("minicpm-o-4.5", "full", "native", 3)
+
+
+def test_layouts_by_name():
+    t, p = make_layout("omnipage", migration="ordered_suffix", min_gain_pages=3)
+    assert t.placement == "first_fit" and p.mode == "ordered_suffix" and p.min_gain_pages == 3
+    t, p = make_layout("omnipage")
+    assert t.placement == "class_aware" and p.mode == "class_aware"
+    with pytest.raises(SimError, match="unknown layout"):
+        make_layout("vattention")
+    with pytest.raises(SimError, match="migration"):
+        make_layout("omnipage", migration="eager")
+
+
+def test_h2o_and_streamingllm_run_in_the_simulator():
+    for pol in (H2O(high=3000, low=2000), StreamingLLM(high=3000, low=2000)):
+        r = simulate("minicpm-o-4.5", pol, 30)
+        assert r["trims"] > 0
+        assert r["layouts"]["native"]["final"]["retained_cells"] <= 3000
+
+
+def test_cli_writes_the_issue_json_and_a_plot(tmp_path, capsys):
+    out, png = tmp_path / "r" / "sim.json", tmp_path / "r" / "sim.png"
+    rc = cli_main(["simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "40", "--policy", "omnitide",
+                   "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["profile"] == "qwen2.5-omni-7b" and d["policy"] == "omnitide" and d["seconds"] == 40
+    assert set(d["layouts"]) == {"native", "omnipage", "eager"}
+    for lay in d["layouts"].values():
+        for block in (lay["final"], lay["peak"], lay["series"][0], lay["series"][-1]):
+            for k in ("retained_cells", "physical_span", "active_pages", "active_subblocks", "kv_bytes"):
+                assert k in block
+        assert isinstance(lay["moved_cells_total"], int)
+        assert len(lay["series"]) == d["updates"]
+    assert png.stat().st_size > 10_000
+    assert "OmniPage" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_requests(capsys):
+    assert cli_main(["simulate", "--policy", "fifo", "--image-sink", "3", "--seconds", "2"]) == 2
+    assert "apply to omnipick" in capsys.readouterr().err
+    assert cli_main(["simulate", "--high", "100", "--low", "200", "--seconds", "2"]) == 2
+    assert "low <= high" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["simulate", "--profile", "nope"])
