@@ -11,7 +11,10 @@ through it so the kernel sees the page table (docs/design.md)::
     cache.end_step()
 
 After the model, the session trims: ``cache.evict(plan, history)`` frees the deleted tokens' slots and re-rotates
-every kept key once by its shift, in float32 (never un-rotate then re-rotate in half precision);
+every kept key once by its shift, in float32 (never un-rotate then re-rotate in half precision), rounding back to a
+half-precision cache stochastically: with round-to-nearest, a small shift's change of a low-frequency pair is below
+half an ulp and is lost every time, so a key shifted often drifts linearly (measured: tests/cache/test_cache_drift.py);
+unbiased rounding turns that into a random walk that grows like the square root of the number of shifts;
 ``cache.migrate(migration_plan)`` moves entries with a gather into scratch, an ``mx.eval``, and an in-place scatter.
 
 Keys are stored rotated at the positions their tokens had when written, shifted by every eviction since. The cache
@@ -38,6 +41,24 @@ _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32
 
 class CacheError(ValueError):
     """Misuse of the cache: a step left open, shapes that do not match, a plan for another layout, ..."""
+
+
+def stochastic_round(y: mx.array, dtype, key: mx.array) -> mx.array:
+    """Round float32 ``y`` to ``dtype`` (float16 / bfloat16) up or down with probabilities that make the result
+    unbiased: E[result] = y. Neighbours come from the bit pattern (sign-magnitude: +1 moves away from zero)."""
+    if dtype == mx.float32:
+        return y
+    near = y.astype(dtype)
+    base = near.astype(mx.float32)
+    rest = y - base
+    bits = near.view(mx.uint16).astype(mx.int32)
+    away = (rest > 0) == (bits < 0x8000)  # the remainder points away from zero
+    other = mx.where(away, bits + 1, bits - 1)
+    other = mx.where((bits & 0x7FFF) == 0, mx.where(rest < 0, 0x8001, 0x0001), other)  # from +-0: smallest subnormal
+    other = other.astype(mx.uint16).view(dtype)
+    gap = mx.abs(other.astype(mx.float32) - base)
+    p = mx.where(gap > 0, mx.abs(rest) / mx.maximum(gap, 1e-38), 0.0)
+    return mx.where(mx.random.uniform(shape=y.shape, key=key) < p, other, near)
 
 
 def _dtype_name(dtype) -> str:
@@ -117,17 +138,25 @@ class OmniCache:
     ``placement``: ``"class_aware"`` (OmniPage: new tokens never share a page with another class) or
     ``"first_fit"`` (a plain cache: new tokens fill any hole). ``grow_pages``: buffers grow by at least this many
     pages at a time, so a growing cache copies its buffers rarely (mlx-lm grows by 256 slots). With
-    ``collect_scores`` every attention also accumulates the attention each slot receives (for H2O).
+    ``collect_scores`` every attention also accumulates the attention each slot receives (for H2O). ``rounding``:
+    how re-rotated keys return to a half-precision cache ("stochastic", seeded by ``seed`` and the eviction count,
+    or "nearest" for comparison).
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, rope: RopeSpec | None = None,
                  dtype=mx.float16, *, page_size: int = PREFILL_TILE, subblock_size: int = DECODE_TILE,
-                 placement: str = "class_aware", grow_pages: int = 4, collect_scores: bool = False):
+                 placement: str = "class_aware", grow_pages: int = 4, collect_scores: bool = False,
+                 rounding: str = "stochastic", seed: int = 0):
         for name, val in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                           ("grow_pages", grow_pages)):
             if not isinstance(val, (int, np.integer)) or val <= 0:
                 raise CacheError(f"{name} must be a positive int, got {val!r}")
         _dtype_name(dtype)
+        if rounding not in ("stochastic", "nearest"):
+            raise CacheError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        self.rounding = rounding
+        self.seed = int(seed)
+        self.evictions = 0  # evict() calls so far (also numbers the rounding streams: reproducible)
         self.num_layers, self.kv_heads, self.head_dim = int(num_layers), int(kv_heads), int(head_dim)
         self.rope = rope
         self.dtype = dtype
@@ -138,7 +167,7 @@ class OmniCache:
         self._capacity = 0  # slots backed by the buffers (>= table.capacity)
         self._owner: tuple[int, AllocClass] | None = None
         self._step: _Step | None = None
-        self._scores = np.zeros(0, dtype=np.float64)  # accumulated attention per slot (collect_scores)
+        self._scores = np.zeros(0, dtype=np.float32)  # accumulated attention per slot (collect_scores)
         self._step_scores: mx.array | None = None
         self.moved_rows = 0  # entries copied by migrations so far
         self.rotated_rows = 0  # kept keys re-rotated by evictions so far
@@ -211,7 +240,7 @@ class OmniCache:
             raise CacheError(f"{step.written} of {self.num_layers} layers attended in this step: their slots would "
                              "hold no K/V")
         if self.collect_scores and self._step_scores is not None:
-            self._scores[: self._capacity] += np.array(self._step_scores, dtype=np.float64)
+            self._scores[: self._capacity] += np.array(self._step_scores, dtype=np.float32)
             self._step_scores = None
 
     def _slot_seq(self) -> np.ndarray:
@@ -230,7 +259,7 @@ class OmniCache:
         new = -(-new // page) * page
         for layer in self.layers:
             layer._grow(new)
-        self._scores = np.concatenate([self._scores, np.zeros(new - self._capacity)])
+        self._scores = np.concatenate([self._scores, np.zeros(new - self._capacity, dtype=np.float32)])
         self._capacity = new
 
     # --- eviction -----------------------------------------------------------------------------------------------
@@ -263,6 +292,7 @@ class OmniCache:
                 raise CacheError("this plan shifts positions, but the cache has no RopeSpec to re-rotate keys")
             self._rerotate(kept[moving], shifts[moving])
         freed = self.table.apply_retention(plan)
+        self.evictions += 1
         if self.collect_scores and freed.size:
             self._scores[freed] = 0.0
         return freed
@@ -273,7 +303,11 @@ class OmniCache:
         offsets = mx.array((-shifts).astype(np.int32))
         for layer in self.layers:
             rows = layer.keys[:, :, idx, :][0].transpose(1, 0, 2)  # [n, Hkv, D]
-            rot = self.rope.rotate_tokens(rows, offsets).astype(self.dtype).transpose(1, 0, 2)[None]
+            rot = self.rope.rotate_tokens(rows, offsets)
+            if self.rounding == "stochastic":
+                key = mx.random.key((self.seed * 1_000_003 + self.evictions) * 4096 + layer.index)
+                rot = stochastic_round(rot, self.dtype, key)
+            rot = rot.astype(self.dtype).transpose(1, 0, 2)[None]
             mx.eval(rot)  # evaluated before the scatter: the buffer is then updated in place, not copied
             layer.keys[:, :, idx, :] = rot
             mx.eval(layer.keys)
@@ -357,7 +391,7 @@ class OmniCache:
         for name in ("slots", "seq", "unit", "cls"):
             arrays[f"table.{name}"] = mx.array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
         if self.collect_scores:
-            arrays["scores"] = mx.array(self._scores.astype(np.float32))
+            arrays["scores"] = mx.array(self._scores)
         return arrays
 
     @property
@@ -370,6 +404,7 @@ class OmniCache:
             "dtype": _dtype_name(self.dtype),
             "rope": self.rope.to_json() if self.rope is not None else None,
             "grow_pages": self.grow_pages, "collect_scores": self.collect_scores,
+            "rounding": self.rounding, "seed": self.seed, "evictions": self.evictions,
             "capacity": self._capacity,
             "owner": list(self._owner) if self._owner is not None else None,
             "moved_rows": self.moved_rows, "rotated_rows": self.rotated_rows,
@@ -386,7 +421,9 @@ class OmniCache:
             cache = cls(meta["num_layers"], meta["kv_heads"], meta["head_dim"],
                         RopeSpec.from_json(meta["rope"]) if meta["rope"] else None, _DTYPES[meta["dtype"]],
                         page_size=tm["page_size"], subblock_size=tm["subblock_size"], placement=tm["placement"],
-                        grow_pages=meta["grow_pages"], collect_scores=meta["collect_scores"])
+                        grow_pages=meta["grow_pages"], collect_scores=meta["collect_scores"],
+                        rounding=meta["rounding"], seed=meta["seed"])
+            cache.evictions = int(meta["evictions"])
             table_state = dict(tm)
             for name in ("slots", "seq", "unit", "cls"):
                 table_state[name] = np.array(arrays[f"table.{name}"]).astype(np.int64).tolist()
@@ -406,8 +443,8 @@ class OmniCache:
             cache._capacity = cap
             if cap < cache.table.capacity:
                 raise CacheError(f"buffers hold {cap} slots, the page table {cache.table.capacity}")
-            cache._scores = (np.array(arrays["scores"], dtype=np.float64) if cache.collect_scores
-                             else np.zeros(cap))
+            cache._scores = (np.array(arrays["scores"], dtype=np.float32) if cache.collect_scores
+                             else np.zeros(cap, dtype=np.float32))
             cache._owner = (int(meta["owner"][0]), AllocClass(meta["owner"][1])) if meta["owner"] else None
             cache.moved_rows, cache.rotated_rows = int(meta["moved_rows"]), int(meta["rotated_rows"])
         except KeyError as e:
