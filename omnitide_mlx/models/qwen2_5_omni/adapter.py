@@ -34,7 +34,7 @@ from .processor import DEFAULT_SYSTEM_PROMPT, check_audio, check_frame
 from .rope_index import audio_in_video_positions, audio_token_count, text_positions, vision_positions
 
 FRAME_MIN_PIXELS = 4 * 28 * 28
-FRAME_MAX_PIXELS = 128 * 28 * 28  # the video processor's per-frame floor; about 130 tokens for a 4:3 frame
+FRAME_MAX_PIXELS = 128 * 28 * 28  # the video processor's per-frame floor: 117 tokens for a 640x480 frame
 
 
 class QwenOmniAdapter(StreamAdapter):

@@ -150,7 +150,7 @@ class Model(nn.Module):
     # --- forward --------------------------------------------------------------------------------------------
     def prepare(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, video_second_per_grid=None, input_features=None, feature_attention_mask=None,
-                attention_mask=None, use_audio_in_video=False, **unused):
+                attention_mask=None, use_audio_in_video=False):
         """(inputs_embeds ``[B, S, H]``, positions ``[3, B, S]``, rope deltas ``[B, 1]``, attention mask or None)."""
         ids = _np(input_ids, np.int64)
         if ids.ndim == 1:
@@ -169,8 +169,9 @@ class Model(nn.Module):
 
     def __call__(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                  video_grid_thw=None, video_second_per_grid=None, input_features=None, feature_attention_mask=None,
-                 attention_mask=None, use_audio_in_video=False, cache=None, **unused) -> mx.array:
-        """Logits ``[B, S, vocab]`` for one full forward pass over processor outputs."""
+                 attention_mask=None, use_audio_in_video=False, cache=None) -> mx.array:
+        """Logits ``[B, S, vocab]`` for one full forward pass over processor outputs (``cache``: an empty
+        mlx-lm cache to prefill; positions always start at 0)."""
         embeds, positions, _, mask = self.prepare(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, video_second_per_grid, input_features,
                                                   feature_attention_mask, attention_mask, use_audio_in_video)
