@@ -32,5 +32,10 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 if [ "$DEV" = 1 ]; then extras="dev"; else extras="plot"; fi
 .venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
+if [ "$DEV" = 1 ]; then
+  # MiniCPM-o parity reference (tests/models/minicpmo/test_mlx_vlm.py imports only mlx_vlm.models, which needs
+  # nothing beyond mlx and numpy): without its dependency tree (opencv-python, fastapi, mlx-audio, ...)
+  .venv/bin/python -m pip install -q --no-deps mlx-vlm==0.7.10 2>&1 | grep -v "is ignored" || true
+fi
 .venv/bin/python -c "import omnitide_mlx, mlx.core" || { echo "setup failed: omnitide_mlx does not import" >&2; exit 1; }
 echo "ready: .venv ($(.venv/bin/python -c 'import mlx.core as mx; print("mlx", mx.__version__)'))"
