@@ -139,18 +139,20 @@ class QwenOmniAdapter(StreamAdapter):
         if not self.turn_open:
             add(self.user_open, SpanKind.BOUNDARY, text_positions(cursor, len(self.user_open)))
             cursor += len(self.user_open)
-        ids_ = self.ids
+        ids_, cfg = self.ids, self.model.config
         merge = vs.merge_size
         n_audio = audio_token_count(mel.shape[1]) if mel is not None else 0
-        if rows is not None and mel is not None:
-            add([ids_["<|vision_bos|>"], ids_["<|audio_bos|>"]], SpanKind.BOUNDARY, text_positions(cursor, 1).repeat(2, 1))
-            runs = audio_in_video_positions(cursor, grid, merge, 1.0, n_audio, self.model.config.position_id_per_seconds,
-                                            self.model.config.seconds_per_chunk)
+        if rows is not None and mel is not None:  # one grid of 1 s: the frame, then its audio in 2 s chunks
+            bos_pair = text_positions(cursor, 1).repeat(2, 1)
+            add([ids_["<|vision_bos|>"], ids_["<|audio_bos|>"]], SpanKind.BOUNDARY, bos_pair)
+            runs = audio_in_video_positions(cursor, grid, merge, 1.0, n_audio, cfg.position_id_per_seconds,
+                                            cfg.seconds_per_chunk)
             for kind, p in runs:
                 token = ids_["<|VIDEO|>"] if kind == "video" else ids_["<|AUDIO|>"]
                 add([token] * p.shape[1], SpanKind.IMAGE if kind == "video" else SpanKind.AUDIO, p)
             eos = int(runs[-1][1].max()) + 1
-            add([ids_["<|audio_eos|>"], ids_["<|vision_eos|>"]], SpanKind.BOUNDARY, text_positions(eos, 1).repeat(2, 1))
+            add([ids_["<|audio_eos|>"], ids_["<|vision_eos|>"]], SpanKind.BOUNDARY,
+                text_positions(eos, 1).repeat(2, 1))
         elif rows is not None:
             add([ids_["<|vision_bos|>"]], SpanKind.BOUNDARY, text_positions(cursor, 1))
             p = vision_positions(cursor + 1, grid, merge, [0])

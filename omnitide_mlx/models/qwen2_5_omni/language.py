@@ -120,6 +120,10 @@ class LanguageModel(nn.Module):
     def layers(self):
         return self.model.layers
 
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.embed_tokens
+
     def embed(self, input_ids) -> mx.array:
         return self.model.embed_tokens(mx.array(np.asarray(input_ids)) if not isinstance(input_ids, mx.array)
                                        else input_ids)
