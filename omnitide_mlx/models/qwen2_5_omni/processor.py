@@ -217,27 +217,47 @@ def sample_frame_indices(total_frames: int, video_fps: float, fps: float = 2.0, 
 
 
 def read_video(path, fps: float = 2.0) -> tuple[np.ndarray, float]:
-    """Decode a video file with OpenCV and sample it at ``fps``: (frames ``[T, H, W, 3]`` uint8 RGB, fps used)."""
+    """Decode a video file with OpenCV and sample it at ``fps``: (frames ``[T, H, W, 3]`` uint8 RGB, fps used).
+
+    Decodes sequentially and keeps only the sampled frames; when the container's frame count is wrong, a second
+    pass samples from the true count."""
     import cv2
 
-    cap = cv2.VideoCapture(str(path))
-    try:
-        if not cap.isOpened():
-            raise MediaError(f"cannot open video {path}")
-        video_fps = cap.get(cv2.CAP_PROP_FPS)
-        frames = []
-        while True:
-            ok, bgr = cap.read()
-            if not ok:
-                break
-            frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
-    finally:
-        cap.release()
-    if not frames:
+    def decode(keep: set[int] | None) -> tuple[dict[int, np.ndarray], int, float]:
+        cap = cv2.VideoCapture(str(path))
+        try:
+            if not cap.isOpened():
+                raise MediaError(f"cannot open video {path}")
+            video_fps, reported = cap.get(cv2.CAP_PROP_FPS), int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+            if keep is None and reported > 0 and video_fps and math.isfinite(video_fps) and video_fps > 0:
+                keep = set(sample_frame_indices(reported, video_fps, fps).tolist())
+            frames, n = {}, 0
+            while True:
+                if keep is not None and not cap.grab():
+                    break
+                if keep is not None:
+                    if n in keep:
+                        ok, bgr = cap.retrieve()
+                        if ok:
+                            frames[n] = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+                else:
+                    ok, bgr = cap.read()
+                    if not ok:
+                        break
+                    frames[n] = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+                n += 1
+            return frames, n, video_fps
+        finally:
+            cap.release()
+
+    frames, total, video_fps = decode(None)
+    if total == 0:
         raise MediaError(f"no frame of {path} could be decoded")
     if not video_fps or not math.isfinite(video_fps) or video_fps <= 0:
         raise MediaError(f"video {path} reports no usable frame rate")
-    idx = sample_frame_indices(len(frames), video_fps, fps)
+    idx = sample_frame_indices(total, video_fps, fps).tolist()
+    if any(i not in frames for i in idx):  # the reported frame count was off: sample again from the true one
+        frames, _, _ = decode(set(idx))
     return np.stack([frames[i] for i in idx]), fps
 
 

@@ -219,9 +219,18 @@ def test_read_video_samples_the_bundled_clip(media_dir):
     path = media_dir / "video_10s_av.mp4"
     if not path.exists():
         pytest.skip("bundled sample media missing")
+    import cv2
+
     frames, fps = read_video(path, fps=2.0)
     assert frames.ndim == 4 and frames.shape[-1] == 3 and frames.dtype == np.uint8
     assert len(frames) % 2 == 0 and 18 <= len(frames) <= 22 and fps == 2.0
+    cap = cv2.VideoCapture(str(path))  # every frame, then the same sampling
+    every, video_fps = [], cap.get(cv2.CAP_PROP_FPS)
+    while (got := cap.read())[0]:
+        every.append(cv2.cvtColor(got[1], cv2.COLOR_BGR2RGB))
+    cap.release()
+    idx = sample_frame_indices(len(every), video_fps, 2.0)
+    np.testing.assert_array_equal(frames, np.stack([every[i] for i in idx]))
 
 
 def test_processor_from_pretrained_reads_preprocessor_config(tiny_ckpt):
