@@ -98,6 +98,10 @@ class WhisperEncoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d)
 
     @property
+    def dtype(self) -> mx.Dtype:
+        return self.conv1.weight.dtype
+
+    @property
     def max_positions(self) -> int:
         return self.embed_positions.weight.shape[0]
 

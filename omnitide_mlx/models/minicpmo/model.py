@@ -64,6 +64,12 @@ class Model(nn.Module):
         return KVSpec(num_layers=t.num_hidden_layers, kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
                       rope=self.language_model.rope_spec(), position_axes=1)
 
+    def simplex_session(self, processor, seed: int | None = None):
+        """The official simplex API (``streaming_prefill`` / ``streaming_generate``) on a fresh session."""
+        from .simplex import SimplexSession
+
+        return SimplexSession(self, processor, seed=seed)
+
     def stream_adapter(self, processor, **kw):
         from .adapter import MiniCPMOStreamAdapter
 
@@ -86,7 +92,7 @@ class Model(nn.Module):
         outs = []
         bs = self.config.vision_batch_size
         for i in range(0, len(slices), bs):
-            batch = mx.array(pad_slices(slices[i:i + bs], p))
+            batch = mx.array(pad_slices(slices[i:i + bs], p)).astype(self.vision_tower.dtype)
             feats = self.vision_tower(batch, tgt[i:i + bs])
             outs.append(self.resampler(feats, tgt[i:i + bs]))
         return mx.concatenate(outs, axis=0)
@@ -99,7 +105,7 @@ class Model(nn.Module):
         if self.config.audio is None:
             raise ValueError("this checkpoint has no audio tower (init_audio is false)")
         chunk_length = self.config.audio_chunk_length if chunk_length is None else chunk_length
-        x = mx.array(_np(features).astype(np.float32))
+        x = mx.array(_np(features).astype(np.float32)).astype(self.audio_tower.dtype)
         lens = _flat_lengths(feature_lens)
         n, _, t = x.shape
         if len(lens) != n:
@@ -118,7 +124,7 @@ class Model(nn.Module):
                                    suffix_extra_frames: int = 0) -> tuple[mx.array, WhisperStreamCache]:
         """The official ``get_audio_embedding_streaming`` for one chunk ``[1, 80, T]`` (T mel frames including
         the extra context frames): returns the chunk's tokens and the (possibly reset) Whisper cache."""
-        x = mx.array(_np(features).astype(np.float32))
+        x = mx.array(_np(features).astype(np.float32)).astype(self.audio_tower.dtype)
         if x.ndim == 2:
             x = x[None]
         t = x.shape[-1]

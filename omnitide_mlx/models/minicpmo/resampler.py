@@ -93,5 +93,5 @@ class Resampler(nn.Module):
         mask = None
         if (lengths < l_max).any():
             mask = mx.array((np.arange(l_max)[None, :] < lengths[:, None])[:, None, None, :])
-        out = self.attn(q, x + mx.array(pos), x, mask)
+        out = self.attn(q, x + mx.array(pos).astype(x.dtype), x, mask)
         return self.ln_post(out) @ self.proj

@@ -131,6 +131,10 @@ class VisionTower(nn.Module):
         self.encoder = Encoder(vc, cfg.vision_layers_used)
         self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.embeddings.patch_embedding.weight.dtype
+
     def __call__(self, pixels: mx.array, tgt_sizes: np.ndarray) -> mx.array:
         """``pixels`` [B, 3, 14, Lmax*14] zero-padded strips, ``tgt_sizes`` [B, 2] (h, w) -> [B, Lmax, D]."""
         tgt_sizes = np.asarray(tgt_sizes, dtype=np.int64).reshape(-1, 2)

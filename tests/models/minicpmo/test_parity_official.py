@@ -174,3 +174,16 @@ def test_mel_features_match_the_official_processor(data_dir, fixture_dir):
     assert max_diff(feats[0, :, :250], d["sine2.5s_feat"][0]) < 2e-5
     assert max_diff(feats[1, :, :131], d["noise1.3s_odd_feat"][0]) < 2e-5
     assert (feats[1, :, 131:] == 0).all()  # zero-padded batch, as the official pad_sequence
+
+
+def test_positions_with_a_gap_equal_cached_calls(fixture_model, inputs):
+    """One call with per-token positions (a gap, as after an eviction) equals two cached calls at those starts."""
+    lm = fixture_model.language_model
+    embeds = fixture_model.embed_inputs(**inputs)
+    pos = np.concatenate([np.arange(0, 20), np.arange(31, 49)])
+    one = lm(embeds, positions=pos)
+    cache = lm.make_cache()
+    two = mx.concatenate([lm(embeds[:, :20], cache=cache, positions=0),
+                          lm(embeds[:, 20:], cache=cache, positions=31)], axis=1)
+    assert max_diff(one, two) < TOL
+    assert max_diff(one, lm(embeds)) > 1e-3  # the positions matter
