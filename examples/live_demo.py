@@ -1,0 +1,121 @@
+"""Live demo: webcam + microphone into an OmniSession, questions typed in the terminal while the stream runs.
+
+    python examples/live_demo.py --model Qwen/Qwen2.5-Omni-3B            # camera 0 and the default microphone
+    python examples/live_demo.py --model M --source clip.mp4 --seconds 10 --ask "5:What do you see?"   # headless
+
+A capture thread pushes one chunk a second (a frame plus its second of audio) while the main thread reads
+questions from the terminal (or takes them from --ask at their times) and prints the answers as they stream.
+The KV footprint is printed after every update, so you can watch it stay flat once retention kicks in.
+Microphone input needs the optional package sounddevice (``pip install sounddevice``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import threading
+import time
+
+from omnitide_mlx import OmniSession
+from omnitide_mlx.errors import MediaError
+from omnitide_mlx.media import LiveCapture, iter_chunks
+
+
+def capture_loop(session: OmniSession, args, stop: threading.Event, clock: dict) -> None:
+    """Push a chunk a second from the camera/microphone or from --source, paced in real time."""
+    try:
+        if args.source:
+            start = time.monotonic()
+            for chunk in iter_chunks(args.source, seconds=args.seconds):
+                if stop.is_set():
+                    break
+                time.sleep(max(0.0, start + chunk.t - time.monotonic()) if args.realtime else 0.0)
+                session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                clock["t"] = chunk.t + 1
+        else:
+            with LiveCapture(camera=args.camera, microphone=not args.no_mic) as cap:
+                for chunk in cap.chunks():
+                    if stop.is_set() or (args.seconds and chunk.t >= args.seconds):
+                        break
+                    session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                    clock["t"] = chunk.t + 1
+    except MediaError as e:
+        print(f"\ncapture stopped: {e}", file=sys.stderr)
+    finally:
+        clock["done"] = True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--source", default=None, help="a video file instead of the camera and microphone")
+    p.add_argument("--camera", type=int, default=0)
+    p.add_argument("--no-mic", action="store_true", help="camera only")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds of input")
+    p.add_argument("--realtime", action=argparse.BooleanOptionalAction, default=True,
+                   help="pace --source at one chunk per second (default on)")
+    p.add_argument("--policy", default="omnitide")
+    p.add_argument("--high", type=int, default=None)
+    p.add_argument("--low", type=int, default=None)
+    p.add_argument("--kv-budget", default=None)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
+                   help="scripted question at T seconds (for headless runs); otherwise type questions")
+    args = p.parse_args(argv)
+
+    def show(rec):
+        print(f"  [{rec.t if rec.t is not None else '-':>5}] kv {rec.retained_cells:5d} cells, span "
+              f"{rec.physical_span:5d}, {rec.active_pages:3d} pages, {rec.kv_bytes / 2**20:7.2f} MiB, "
+              f"update {rec.update_ms:7.1f} ms", file=sys.stderr, flush=True)
+
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    session = OmniSession(args.model, policy=args.policy, high=args.high, low=args.low, kv_budget=args.kv_budget,
+                          on_update=show)
+    stop = threading.Event()
+    clock = {"t": 0.0, "done": False}
+    producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock), daemon=True)
+    producer.start()
+
+    scripted = sorted((float(a.split(":", 1)[0]), a.split(":", 1)[1]) for a in args.ask)
+    questions: queue.Queue[str] = queue.Queue()
+    if not scripted and sys.stdin.isatty():
+        print("type a question and press Enter (Ctrl-D to stop)", file=sys.stderr)
+
+        def read_stdin():
+            for line in sys.stdin:
+                if line.strip():
+                    questions.put(line.strip())
+            stop.set()
+
+        threading.Thread(target=read_stdin, daemon=True).start()
+
+    try:
+        while not stop.is_set():
+            while scripted and scripted[0][0] <= clock["t"]:
+                questions.put(scripted.pop(0)[1])
+            try:
+                q = questions.get(timeout=0.1)
+            except queue.Empty:
+                if clock["done"] and not scripted and questions.empty() and not sys.stdin.isatty():
+                    break
+                if clock["done"] and scripted:
+                    questions.put(scripted.pop(0)[1])
+                continue
+            print(f"\nQ: {q}\nA: ", end="", flush=True)
+            for piece in session.ask(q, max_tokens=args.max_tokens):
+                print(piece, end="", flush=True)
+            print(flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        producer.join(timeout=5)
+    s = session.stats()
+    print(f"\n{s['units']} units, {s['retained_cells']} cells retained ({s['kv_bytes'] / 2**20:.2f} MiB), "
+          f"{s['evictions']} evictions, {s['migrations']} migrations", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
