@@ -135,10 +135,10 @@ class SimplexSession:
 
     def _embed(self, inputs: dict, audios: list, streaming: bool, is_last_chunk: bool) -> mx.array:
         m = self.model
-        if not (streaming and audios):
+        if not (streaming and audios):  # a system message's audio: offline, full attention (chunk_length -1)
             return m.embed_inputs(inputs["input_ids"], inputs["pixel_values"], inputs["tgt_sizes"],
                                   inputs["image_bound"], inputs["audio_features"], inputs["audio_feature_lens"],
-                                  inputs["audio_bounds"])
+                                  inputs["audio_bounds"], chunk_length=-1)
         embeds = m.embed_inputs(inputs["input_ids"], inputs["pixel_values"], inputs["tgt_sizes"],
                                 inputs["image_bound"])
         mel = self.mel.process(audios[0], is_last_chunk=is_last_chunk)

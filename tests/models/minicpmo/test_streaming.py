@@ -105,6 +105,21 @@ def test_units_one_at_a_time_equal_the_offline_forward(tiny):
     assert max_diff(streamed, offline) < 1e-5
 
 
+def test_units_one_at_a_time_through_omnicache_equal_the_offline_forward(tiny):
+    cache_mod = pytest.importorskip("omnitide_mlx.cache", reason="OmniCache (omnitide_mlx/cache.py) not merged yet")
+    from omnitide_mlx.core.page import AllocClass
+
+    model, proc = tiny
+    _, units, _ = _session_units(model, proc)
+    cache = cache_mod.OmniCache.for_spec(model.kv_spec(), dtype=mx.float32)
+    out = []
+    for i, u in enumerate(units):
+        cache.set_owner(i, AllocClass.MUST_KEEP if i == 0 else AllocClass.RECENT_CONTEXT)
+        out.append(model.language_model(u.inputs_embeds[None], cache=cache, positions=u.positions[0])[0])
+    offline = model.language_model(mx.concatenate([u.inputs_embeds for u in units])[None])[0]
+    assert max_diff(mx.concatenate(out), offline) < 1e-5
+
+
 def test_streamed_unit_audio_equals_offline_chunked_encoder(tiny):
     model, proc = tiny
     _, units, audios = _session_units(model, proc, n_media=3)
@@ -230,3 +245,17 @@ def test_logits_after_omnipick_eviction_through_omnicache(tiny):
     ref = _masked_shifted_reference(model, old_embeds, history.positions()[0], plan.keep_mask(),
                                     new_history.positions()[0], question.inputs_embeds, question.positions[0])
     assert max_diff(got, ref) < 2e-5
+
+
+def test_simplex_system_prompt_then_user_turns(tiny):
+    model, proc = tiny
+    s = model.simplex_session(proc)
+    p0 = s.streaming_prefill("Be brief.", role="system")
+    assert p0 == "<|im_start|>system\nBe brief.<|im_end|>\n"
+    n0 = len(proc.tokenizer.encode(p0))
+    assert s.kv_length == n0
+    assert s.streaming_prefill("Hi") == "<|im_start|>user\nHi"
+    assert s.streaming_prefill(["there", stream_ref_inputs()[0]]) == "there<image>./</image>"
+    assert s.kv_length == n0 + 4 + 1 + 66
+    list(s.streaming_generate(max_new_tokens=1, do_sample=True, temperature=0.7, top_k=20, top_p=0.8))
+    assert s.streaming_prefill("more").startswith("<|tts_eos|><|im_end|>\n<|im_start|>user\n")
