@@ -12,6 +12,7 @@ import sys
 
 # name -> module; a module is listed here once its command works
 COMMANDS: dict[str, str] = {
+    "bench": "omnitide_mlx.commands.bench",
     "convert": "omnitide_mlx.commands.convert",
     "simulate": "omnitide_mlx.commands.simulate",
 }

@@ -1,0 +1,8 @@
+"""Benchmarks behind ``omnitide bench <name>``: one module each (attention now; stream later), sharing common.py.
+
+A benchmark module provides ``HELP``, optionally ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args)``.
+"""
+
+BENCHMARKS: dict[str, str] = {
+    "attention": "omnitide_mlx.bench.attention",
+}

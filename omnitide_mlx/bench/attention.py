@@ -1,0 +1,406 @@
+"""``omnitide bench attention``: dense full-context attention against tile-skip attention over the KV layouts that
+OmniPick + native / OmniPage / eager produce at no-slide checkpoints (paper 7.1: 4K-64K history tokens).
+
+For each checkpoint the core simulator streams the model profile's units (one a second, paper table 1) until the
+no-slide history reaches it; the three layouts follow the same retention plans. Then, for one layer of the model's
+real attention shape, in one process:
+
+- prefill: the next unit (the profile's unit size) is allocated into each layout and attends over the active
+  64-slot pages; "full" attends the same chunk over the whole no-slide history (causal inside the chunk);
+- decode: one token allocated into each layout attends over the active 32-slot subblocks; "full" over the history.
+
+Dense "full" is the faster of two measured formulations: the reference kernel on a contiguous layout (one slice,
+causal block skipping) and ``mx.fast.scaled_dot_product_attention`` (query blocks, bottom-right causal mask).
+The *limit* of a row is the speedup skipping allows: keys a query visits under dense attention over keys in the
+active tiles; prefill counts the chunk's own causal keys, (T + 1) / 2 per query on average, on both sides.
+OmniPage rows also carry migration time: the layout's latest migration before the checkpoint, executed with the
+cache's real ``migrate`` on one layer, times the layout's migrations per update so far (its mean cost per update).
+The prefill figure with it added is what the OmniPage goal uses (one migration check per update, after its
+prefill; decode steps run between migrations and pay none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.page import AllocClass, MigrationPlan, MigrationPlanner, PageTable
+from ..core.pick import make_policy
+from ..core.profiles import PROFILES, StreamSpec, get_profile
+from ..core.sim import LAYOUT_NAMES, Simulator
+from ..kernels import plan_tiles, tile_skip_attention
+from ..kernels import attention as attn
+from .common import Timing, load_average, time_call, versions
+
+HELP = "time dense full-context attention against tile-skip attention on the OmniPick layouts (native / OmniPage / eager)"
+DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
+example:
+  omnitide bench attention --shape qwen2.5-omni-7b --history 4096,8192,16384,32768,65536 \\
+      --json out.json --plot out.png
+"""
+
+# query heads per profile (core profiles carry only the KV shape)
+Q_HEADS = {"qwen2.5-omni-7b": 28, "qwen2.5-omni-3b": 16, "minicpm-o-4.5": 32, "minicpm-o-2.6": 28}
+PAPER_SPEEDUP = 12.72  # paper abstract: up to 12.72x attention-kernel speedup
+RATIO_GOAL = 0.9  # every tile-skip row at least 0.9 of its limit
+OMNIPAGE_GOAL = 0.885  # paper 7.4.2: OmniPage captures 88.5 % of eager's prefill gain over native
+_NEW_UID = 1 << 40  # owner of the benchmark's own chunk (never a stream uid)
+
+
+@dataclass
+class _RecordingPlanner(MigrationPlanner):
+    """A migration planner that remembers the table and plan of its last accepted migration (to time it)."""
+
+    last: Any = field(default=None, repr=False)
+
+    def plan(self, table: PageTable) -> MigrationPlan:
+        p = super().plan(table)
+        if p.accepted:
+            self.last = (table.copy(), p)
+        return p
+
+
+@dataclass
+class Checkpoint:
+    """The layouts at one no-slide checkpoint; per layout its latest migration (pre-migration table and plan, or
+    None) and its migrations per update so far."""
+
+    history: int
+    full_context_tokens: int
+    retained: int
+    tables: dict[str, PageTable]
+    migrations: dict[str, tuple[PageTable, MigrationPlan] | None]
+    migration_rate: dict[str, float]
+
+
+def checkpoints(profile, histories: list[int], *, policy: str = "omnipick", seed: int = 0,
+                question_every: int = 30, **policy_kw) -> list[Checkpoint]:
+    """Stream once through every checkpoint (ascending), all three layouts side by side."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    pol = make_policy(policy, profile=prof, **policy_kw)
+    stream = StreamSpec(max(histories) // prof.media_unit_tokens + 4, question_every=question_every, seed=seed)
+    sim = Simulator(prof, pol, stream, LAYOUT_NAMES)
+    for lt in sim.layouts.values():
+        lt.planner = _RecordingPlanner(lt.planner.mode, min_gain_pages=lt.planner.min_gain_pages)
+    todo = sorted(histories)
+    out: list[Checkpoint] = []
+    for event in stream.events():
+        sim.step(event)
+        while todo and sim.full_context_tokens >= todo[0]:
+            out.append(Checkpoint(todo.pop(0), sim.full_context_tokens, sim.history.total_tokens,
+                                  {n: lt.table.copy() for n, lt in sim.layouts.items()},
+                                  {n: lt.planner.last for n, lt in sim.layouts.items()},
+                                  {n: lt.migrations / sim.updates for n, lt in sim.layouts.items()}))
+        if not todo:
+            break
+    if todo:
+        raise RuntimeError(f"the stream ended before checkpoints {todo}")
+    return out
+
+
+# --- what one row times ---------------------------------------------------------------------------------------
+
+def _random(shape, rng: np.random.Generator, dtype) -> mx.array:
+    return mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def _contiguous_plan(keys: int, t: int, tile: int):
+    """Dense layout: ``keys`` slots in order, the last ``t`` of them the new tokens."""
+    cap = -(-keys // tile) * tile
+    seq = np.full(cap, -1, dtype=np.int64)
+    seq[:keys] = np.arange(keys)
+    return plan_tiles(seq, np.arange(keys - t, keys), np.arange(cap // tile), tile), cap
+
+
+def _sdpa_blocks(q: mx.array, k: mx.array, v: mx.array, keys: int, scale: float) -> mx.array:
+    """Dense attention with mx.fast SDPA in query blocks (bounded score memory); causal bottom-right aligned."""
+    _, hq, t, _ = q.shape
+    if t == 1:
+        return mx.fast.scaled_dot_product_attention(q, k[:, :, :keys], v[:, :, :keys], scale=scale)
+    block = max(1, attn.SCORE_BUDGET // (hq * keys))
+    outs = []
+    for i0 in range(0, t, block):
+        i1 = min(t, i0 + block)
+        end = keys - t + i1
+        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, :end], v[:, :, :end], scale=scale,
+                                                          mask="causal"))
+    return mx.concatenate(outs, axis=2)
+
+
+def limit(phase: str, full_keys: int, active_slots: int, t: int) -> float:
+    """Speedup that skipping allows: keys a query visits densely / keys in active tiles (module docstring)."""
+    if phase == "decode":
+        return full_keys / active_slots
+    causal = (t + 1) / 2
+    return (full_keys - t + causal) / (active_slots - t + causal)
+
+
+def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_dim: int, dtype, rng,
+                    reps: int) -> Timing:
+    """One layer's ``OmniCache.migrate`` for this plan, on a fresh copy of the pre-migration cache each time."""
+    from ..cache import OmniCache
+    from ..rope import RopeSpec
+
+    cap = table.capacity
+    keys = _random((1, kv_heads, cap, head_dim), rng, dtype)
+    values = _random((1, kv_heads, cap, head_dim), rng, dtype)
+    ts = table.state()
+    arrays = {f"table.{n}": mx.array(np.asarray(ts[n], dtype=np.int32)) for n in ("slots", "seq", "unit", "cls")}
+    proto = OmniCache(1, kv_heads, head_dim, RopeSpec(head_dim, 1e4), dtype, placement=table.placement)
+    meta = dict(proto.meta_state, capacity=cap,
+                table={k: ts[k] for k in ("page_size", "subblock_size", "placement", "capacity", "next_seq",
+                                          "partial")})
+    samples = []
+    for i in range(reps + 1):
+        arrays["layers.0.keys"], arrays["layers.0.values"] = mx.array(keys), mx.array(values)
+        cache = OmniCache.from_state(arrays, meta)
+        mx.eval(cache.layers[0].keys, cache.layers[0].values)
+        t0 = time.perf_counter()
+        cache.migrate(plan)
+        mx.synchronize()
+        if i:  # the first run is a warm-up
+            samples.append((time.perf_counter() - t0) * 1000)
+    return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: int, chunk: int,
+                     dtype=mx.float32, sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None,
+                     log=None) -> list[dict]:
+    """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode."""
+    rng = np.random.default_rng(seed)
+    scale = head_dim ** -0.5
+    rows: list[dict] = []
+    base = {"history": cp.history, "full_context_tokens": cp.full_context_tokens, "retained": cp.retained}
+
+    def emit(row):
+        rows.append(row)
+        if log:
+            log(row)
+
+    for phase, t in (("prefill", chunk), ("decode", 1)):
+        q = _random((1, q_heads, t, head_dim), rng, dtype)
+        # dense full-context baseline
+        keys = cp.full_context_tokens + t
+        tile = 64 if phase == "prefill" else 32
+        plan, cap = _contiguous_plan(keys, t, tile)
+        k = _random((1, kv_heads, cap, head_dim), rng, dtype)
+        v = _random((1, kv_heads, cap, head_dim), rng, dtype)
+        mx.eval(q, k, v)
+        ref = time_call(lambda: tile_skip_attention(q, k, v, scale=scale, plan=plan), reps)
+        sdpa = None
+        if phase == "decode" or cp.full_context_tokens <= sdpa_max_history:
+            sdpa = time_call(lambda: _sdpa_blocks(q, k, v, keys, scale), reps)
+        best, impl = (ref, "reference") if sdpa is None or ref.median_ms <= sdpa.median_ms else (sdpa, "sdpa")
+        full_ms = best.median_ms
+        emit({**base, "phase": phase, "layout": "full", "chunk_tokens": t, "active_slots": keys, "tiles": None,
+              "tile": None, "median_ms": round(full_ms, 3), "timing": best.to_json(), "impl": impl,
+              "reference_ms": round(ref.median_ms, 3), "sdpa_ms": round(sdpa.median_ms, 3) if sdpa else None,
+              "speedup_vs_full": 1.0, "limit": 1.0, "ratio_to_limit": 1.0})
+        del k, v, plan
+        # tile-skip over each layout
+        for name in LAYOUT_NAMES:
+            table = cp.tables[name].copy()
+            slots = table.allocate(t, _NEW_UID, AllocClass.RECENT_CONTEXT)
+            tiles = table.active_pages() if phase == "prefill" else table.active_subblocks()
+            tile = table.page_size if phase == "prefill" else table.subblock_size
+            plan = plan_tiles(table.seq, table.seq[slots], tiles, tile)
+            k = _random((1, kv_heads, table.capacity, head_dim), rng, dtype)
+            v = _random((1, kv_heads, table.capacity, head_dim), rng, dtype)
+            mx.eval(k, v)
+            tm = time_call(lambda: tile_skip_attention(q, k, v, scale=scale, plan=plan), reps)
+            active = plan.active_slots
+            lim = limit(phase, keys, active, t)
+            speed = full_ms / tm.median_ms
+            stats = table.stats()
+            row = {**base, "phase": phase, "layout": name, "chunk_tokens": t, "active_slots": active,
+                   "tiles": plan.n_tiles, "tile": tile, "physical_span": stats.physical_span,
+                   "median_ms": round(tm.median_ms, 3), "timing": tm.to_json(), "impl": "reference",
+                   "speedup_vs_full": round(speed, 3), "limit": round(lim, 3),
+                   "ratio_to_limit": round(speed / lim, 3)}
+            mig = cp.migrations.get(name)
+            if name != "native":
+                row["last_migration_rows"] = int(mig[1].src.size) if mig else 0
+                mt = (_time_migration(mig[0], mig[1], kv_heads, head_dim, dtype, rng, reps or 5) if mig
+                      else None)
+                row["last_migration_ms"] = round(mt.median_ms, 3) if mt else 0.0
+                row["migrations_per_update"] = round(cp.migration_rate[name], 4)
+                row["migration_ms"] = round(row["last_migration_ms"] * cp.migration_rate[name], 3)
+                if name == "omnipage":
+                    with_mig = tm.median_ms + (row["migration_ms"] if phase == "prefill" else 0.0)
+                    row["median_ms_with_migration"] = round(with_mig, 3)
+            emit(row)
+            del k, v
+    return rows
+
+
+# --- goals and reports ------------------------------------------------------------------------------------------
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's goals, evaluated on the measured rows."""
+    skip = [r for r in rows if r["layout"] != "full"]
+    below = [{"history": r["history"], "phase": r["phase"], "layout": r["layout"], "ratio_to_limit": r["ratio_to_limit"]}
+             for r in skip if r["ratio_to_limit"] < RATIO_GOAL]
+    at32 = [r for r in skip if r["history"] == 32768]
+    paper = [{"phase": r["phase"], "layout": r["layout"], "limit": r["limit"], "speedup": r["speedup_vs_full"],
+              "limit_allows": r["limit"] >= PAPER_SPEEDUP, "met": r["speedup_vs_full"] >= PAPER_SPEEDUP}
+             for r in at32]
+    share = []
+    for phase in ("prefill", "decode"):
+        for h in sorted({r["history"] for r in rows}):
+            by = {r["layout"]: r for r in skip if r["phase"] == phase and r["history"] == h}
+            if not {"native", "omnipage", "eager"} <= set(by):
+                continue
+            nat, eag = by["native"]["median_ms"], by["eager"]["median_ms"]
+            omp = by["omnipage"].get("median_ms_with_migration", by["omnipage"]["median_ms"])
+            spread = max(by[n]["timing"]["max_ms"] - by[n]["timing"]["min_ms"] for n in by)
+            gain = nat - eag
+            share.append({"phase": phase, "history": h, "native_ms": nat, "omnipage_ms_with_migration": omp,
+                          "eager_ms": eag, "eager_gain_ms": round(gain, 3),
+                          "tiles": {n: by[n]["tiles"] for n in by},
+                          "share": round((nat - omp) / gain, 3) if gain > 0 else None,
+                          "measurable": gain > spread})
+    return {"ratio_goal": RATIO_GOAL, "rows_below_ratio_goal": below, "paper_speedup": PAPER_SPEEDUP,
+            "at_32k": paper, "omnipage_goal": OMNIPAGE_GOAL, "omnipage_share": share}
+
+
+def markdown(result: dict) -> str:
+    """The measured table (docs/benchmarks.md)."""
+    lines = ["| history (full ctx) | phase | layout | chunk | tiles x size | active slots | median ms | speedup "
+             "| limit | ratio | migration ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        tiles = f"{r['tiles']} x {r['tile']}" if r["tiles"] is not None else "dense"
+        mig = r.get("migration_ms")
+        ms = f"{r['median_ms']:.2f}"
+        if r["layout"] == "full":
+            ms += f" ({r['impl']}; ref {r['reference_ms']:.2f}" + (f", sdpa {r['sdpa_ms']:.2f})" if r["sdpa_ms"]
+                                                                   else ")")
+        lines.append(f"| {r['history']} ({r['full_context_tokens']}) | {r['phase']} | {r['layout']} | "
+                     f"{r['chunk_tokens']} | {tiles} | {r['active_slots']} | {ms} | {r['speedup_vs_full']:.2f}x | "
+                     f"{r['limit']:.2f}x | {r['ratio_to_limit']:.2f} | {'' if mig is None else f'{mig:.2f}'} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"full": "black", "native": "#c0504d", "omnipage": "#4f81bd", "eager": "#9bbb59"}
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    for col, phase in enumerate(("prefill", "decode")):
+        rows = [r for r in result["rows"] if r["phase"] == phase]
+        hs = sorted({r["history"] for r in rows})
+        ax = axes[0, col]
+        for name in ("full",) + LAYOUT_NAMES:
+            ys = [next(r["median_ms"] for r in rows if r["history"] == h and r["layout"] == name) for h in hs]
+            ax.plot(hs, ys, "o-", color=colors[name], label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{result['shape']} {phase}: one layer, median ms")
+        ax.set_xlabel("no-slide history (tokens)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        ax = axes[1, col]
+        for name in LAYOUT_NAMES:
+            sel = [next(r for r in rows if r["history"] == h and r["layout"] == name) for h in hs]
+            ax.plot(hs, [r["speedup_vs_full"] for r in sel], "o-", color=colors[name], label=f"{name} speedup")
+            ax.plot(hs, [r["limit"] for r in sel], ":", color=colors[name], label=f"{name} limit")
+        ax.axhline(PAPER_SPEEDUP, color="grey", lw=0.8, ls="--", label="paper 12.72x")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{phase}: speedup over dense vs the skipping limit")
+        ax.set_xlabel("no-slide history (tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(shape: str, histories: list[int], *, policy: str = "omnipick", dtype=mx.float32,
+              sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None, question_every: int = 30,
+              log=None, **policy_kw) -> dict:
+    prof = get_profile(shape)
+    if prof.name not in Q_HEADS:
+        raise ValueError(f"no query-head count for profile {prof.name}")
+    load_before = load_average()
+    t0 = time.perf_counter()
+    cps = checkpoints(prof, histories, policy=policy, seed=seed, question_every=question_every, **policy_kw)
+    rows: list[dict] = []
+    for cp in cps:
+        rows += bench_checkpoint(cp, q_heads=Q_HEADS[prof.name], kv_heads=prof.kv_heads, head_dim=prof.head_dim,
+                                 chunk=prof.media_unit_tokens, dtype=dtype, sdpa_max_history=sdpa_max_history,
+                                 seed=seed, reps=reps, log=log)
+    pol = make_policy(policy, profile=prof, **policy_kw)
+    return {
+        "shape": prof.name,
+        "versions": versions(),
+        "attention_shape": {"q_heads": Q_HEADS[prof.name], "kv_heads": prof.kv_heads, "head_dim": prof.head_dim,
+                            "layers_timed": 1, "dtype": str(dtype).split(".")[-1]},
+        "policy": pol.config(),
+        "chunk_tokens": prof.media_unit_tokens,
+        "load_average": {"before": load_before, "after": load_average()},
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+        "goals": goals(rows),
+    }
+
+
+# --- command line (omnitide bench attention) --------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="qwen2.5-omni-7b", choices=sorted(PROFILES),
+                   help="model profile: attention shape, unit size, token rates (default qwen2.5-omni-7b)")
+    p.add_argument("--history", default="4096,8192,16384,32768,65536",
+                   help="comma-separated no-slide checkpoints in tokens (default 4096,...,65536)")
+    p.add_argument("--policy", default="omnipick", help="retention policy for the layouts (default omnipick)")
+    p.add_argument("--high", type=int, default=None, help="high watermark (default: the profile's)")
+    p.add_argument("--low", type=int, default=None, help="low watermark (default: the profile's)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="K/V and query dtype (default float32: on the CPU only float32 matmul uses BLAS)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per row (default: by duration)")
+    p.add_argument("--sdpa-max-history", type=int, default=16384,
+                   help="also time mx.fast SDPA for dense prefill up to this history (it is always timed for decode)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        histories = [int(x) for x in str(args.history).split(",") if x.strip()]
+    except ValueError:
+        print(f"bad --history {args.history!r}: want comma-separated integers", file=sys.stderr)
+        return 2
+    if not histories or min(histories) <= 0:
+        print("--history needs positive token counts", file=sys.stderr)
+        return 2
+    kw = {k: getattr(args, k) for k in ("high", "low") if getattr(args, k) is not None}
+
+    def log(r):
+        print(f"  {r['history']:>6} {r['phase']:<7} {r['layout']:<8} {r['median_ms']:>10.2f} ms  "
+              f"x{r['speedup_vs_full']:<7.2f} limit x{r['limit']:<7.2f} ratio {r['ratio_to_limit']:.2f}", flush=True)
+
+    result = run_bench(args.shape, histories, policy=args.policy, dtype=getattr(mx, args.dtype),
+                       sdpa_max_history=args.sdpa_max_history, seed=args.seed, reps=args.reps, log=log, **kw)
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    if args.markdown:
+        print(markdown(result))
+    g = result["goals"]
+    print(f"rows below {RATIO_GOAL} of their limit: {len(g['rows_below_ratio_goal'])}; "
+          f"wall {result['wall_s']} s; load {result['load_average']}")
+    return 0

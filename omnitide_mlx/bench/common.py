@@ -1,0 +1,95 @@
+"""What every benchmark shares: timing after ``mx.eval`` with medians, and a record of the machine and versions.
+
+Absolute times drift with load on a shared machine, so benchmarks compare configurations side by side in one
+process and report medians and ratios; the load average before and after a run goes into its JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int
+
+    def to_json(self) -> dict:
+        return {"median_ms": round(self.median_ms, 4), "min_ms": round(self.min_ms, 4),
+                "max_ms": round(self.max_ms, 4), "reps": self.reps}
+
+
+def time_call(fn: Callable[[], object], reps: int | None = None, max_reps: int = 7) -> Timing:
+    """Median wall time of ``fn`` with its result evaluated. The first call is a warm-up unless it alone takes over
+    8 s (then it is the only sample); without ``reps``: 7 samples under 0.5 s a call, 3 under 8 s, else 1."""
+    def once() -> float:
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        return (time.perf_counter() - t0) * 1000
+
+    first = once()
+    if reps is None:
+        reps = 1 if first > 8000 else 3 if first > 500 else max_reps
+        if first > 8000:
+            return Timing(first, first, first, 1)
+    samples = [once() for _ in range(reps)]
+    return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                           timeout=5)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict:
+    """Library versions, the machine, the MLX device, and whether OpenBLAS is preloaded (scripts/blas_env.sh)."""
+    import numpy
+
+    from .. import __version__
+
+    return {
+        "omnitide_mlx": __version__,
+        "git": _git_commit(),
+        "mlx": mx.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "device": str(mx.default_device()),
+        "metal": bool(mx.metal.is_available()),
+        "blas_preload": os.environ.get("LD_PRELOAD", ""),
+    }
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None

@@ -1,0 +1,68 @@
+"""The attention benchmark's machinery on a tiny shape: checkpoints from the simulator, rows, limits, goals."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omnitide_mlx.bench import attention as ba
+from omnitide_mlx.cli import main
+
+
+def test_limit_definition():
+    # decode: history keys over active slots
+    assert ba.limit("decode", 32769, 2400, 1) == pytest.approx(32769 / 2400)
+    # prefill: the chunk's own causal keys, (T + 1) / 2 per query, on both sides
+    t = 100
+    assert ba.limit("prefill", 5000 + t, 1600 + t, t) == pytest.approx((5000 + 50.5) / (1600 + 50.5))
+
+
+def test_checkpoints_follow_one_history_across_layouts():
+    cps = ba.checkpoints("minicpm-o-4.5", [2048, 4096])
+    assert [c.history for c in cps] == [2048, 4096]
+    for c in cps:
+        assert c.full_context_tokens >= c.history
+        cells = {n: t.stats().retained_cells for n, t in c.tables.items()}
+        assert len(set(cells.values())) == 1 and cells["native"] == c.retained
+    assert cps[1].tables["eager"].stats().physical_span == -(-cps[1].retained // 64) * 64
+
+
+def test_bench_rows_on_a_tiny_shape():
+    cp = ba.checkpoints("minicpm-o-4.5", [2048])[0]
+    rows = ba.bench_checkpoint(cp, q_heads=4, kv_heads=2, head_dim=32, chunk=40, reps=1)
+    assert [(r["phase"], r["layout"]) for r in rows] == [(p, l) for p in ("prefill", "decode")
+                                                         for l in ("full", "native", "omnipage", "eager")]
+    for r in rows:
+        assert r["median_ms"] > 0
+        if r["layout"] == "full":
+            assert r["active_slots"] == cp.full_context_tokens + r["chunk_tokens"]
+        else:
+            assert r["active_slots"] == r["tiles"] * r["tile"]
+            assert r["tile"] == (64 if r["phase"] == "prefill" else 32)
+            assert r["ratio_to_limit"] == pytest.approx(r["speedup_vs_full"] / r["limit"], rel=1e-2)
+    omni = [r for r in rows if r["layout"] == "omnipage"]
+    assert all("median_ms_with_migration" in r for r in omni)
+    g = ba.goals(rows)
+    assert {s["phase"] for s in g["omnipage_share"]} == {"prefill", "decode"}
+    assert ba.markdown({"rows": rows}).count("\n") == len(rows) + 1
+
+
+def test_cli_writes_json(tmp_path, monkeypatch):
+    """The command end to end on a tiny profile (monkeypatched shape) with --json and --plot."""
+    monkeypatch.setitem(ba.Q_HEADS, "minicpm-o-4.5", 4)
+    from omnitide_mlx.core import profiles
+
+    small = profiles.PROFILES["minicpm-o-4.5"].__class__(**{**profiles.PROFILES["minicpm-o-4.5"].__dict__,
+                                                             "kv_heads": 1, "head_dim": 32})
+    monkeypatch.setitem(profiles.PROFILES, "minicpm-o-4.5", small)
+    out = tmp_path / "a.json"
+    png = tmp_path / "a.png"
+    rc = main(["bench", "attention", "--shape", "minicpm-o-4.5", "--history", "1024", "--reps", "1",
+               "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["shape"] == "minicpm-o-4.5" and res["versions"]["mlx"] == mx.__version__
+    assert {r["layout"] for r in res["rows"]} == {"full", "native", "omnipage", "eager"}
+    assert png.stat().st_size > 0
+    assert main(["bench", "attention", "--history", "x"]) == 2
