@@ -201,7 +201,9 @@ class MiniCPMOStreamAdapter(StreamAdapter):
 
     def _audio_tokens(self, audio: np.ndarray) -> mx.array | None:
         """The duplex session's audio path: buffer, cut the next 1 s chunk (1030 ms first), streaming mel with
-        context frames, streaming Whisper. None while less than a chunk is buffered."""
+        context frames, streaming Whisper. None while less than a chunk is buffered. (The official duplex session
+        also counts a frame-only unit as an audio chunk, so audio arriving after frames alone gets a 2-frame
+        prefix trim on its first, context-less chunk; here the first audio chunk is the stream's first.)"""
         first = self.mel.is_first
         self.audio_buffer = self._padded_buffer(audio)
         need = self.mel.chunk_size()
@@ -231,6 +233,8 @@ class MiniCPMOStreamAdapter(StreamAdapter):
         self.reset()
         if not meta:
             return
+        if meta.get("mode", self.mode) != self.mode:
+            raise ValueError(f"the saved adapter state is for {meta['mode']} mode, this adapter is {self.mode}")
         self.in_user_turn = bool(meta["in_user_turn"])
         self.audio_chunks = int(meta["audio_chunks"])
         self.audio_buffer = np.array(arrays["audio_buffer"], dtype=np.float32)
