@@ -14,7 +14,6 @@ import re
 import shutil
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -114,5 +113,4 @@ def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Pa
     for f in TOKENIZER_FILES:
         shutil.copy2(src / f, dst / f)
     (dst / "tokenizer.json").write_bytes(b"")  # empty, as in the released checkpoint: rebuilt on load
-    mx.eval()  # nothing lazy is kept
     return dst
