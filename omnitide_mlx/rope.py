@@ -10,9 +10,12 @@ reads, which is plain NeoX RoPE over the whole head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:  # the spec itself is plain data (the torch path uses it); only rotation needs MLX
+    import mlx.core as mx
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class RopeSpec:
         Computed in float32 and returned in float32; the caller casts back once (never round-trip half
         precision through an un-rotate / re-rotate pair).
         """
+        import mlx.core as mx
+
         n, h, d = x.shape
         if n == 0:
             return x.astype(mx.float32)
@@ -57,6 +62,8 @@ class RopeSpec:
 
     def rotate_sequence(self, x: mx.array, positions: mx.array | np.ndarray) -> mx.array:
         """Rotate ``x`` ``[B, H, T, D]`` at arbitrary per-token ``positions`` ``[T]`` (same dtype out)."""
+        import mlx.core as mx
+
         b, h, t, d = x.shape
         pos = positions if isinstance(positions, mx.array) else mx.array(np.asarray(positions, dtype=np.int32))
         y = self.rotate_tokens(x.transpose(0, 2, 1, 3).reshape(b * t, h, d), mx.tile(pos.astype(mx.int32), (b,)))

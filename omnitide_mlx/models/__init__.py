@@ -6,7 +6,7 @@ import importlib
 import os
 from pathlib import Path
 
-from .loading import CheckpointError, load_config, resolve_model_path
+from .loading import CheckpointError, load_config, resolve_model_path  # no MLX import at module level
 
 # config.json "model_type" -> module with ``load_model(path, config, **kw) -> (model, processor)``
 MODEL_TYPES: dict[str, str] = {

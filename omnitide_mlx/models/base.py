@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import numpy as np
 
 from ..core.units import Span, SpanKind, Unit, UnitKind
 from ..errors import MediaError  # noqa: F401  (re-exported: adapters raise it)
 from ..rope import RopeSpec
+
+if TYPE_CHECKING:  # this module stays importable without MLX (the torch path reuses the adapters' layouts)
+    import mlx.core as mx
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,10 @@ class KVSpec:
     rope: RopeSpec
     position_axes: int = 1  # 1 for plain RoPE, 3 for M-RoPE (t, h, w)
 
-    def bytes_per_token(self, dtype: mx.Dtype = mx.float16) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype.size
+    def bytes_per_token(self, dtype=None) -> int:
+        """K and V bytes of one token over all layers; ``dtype`` an MLX or torch dtype (default: 2 bytes)."""
+        size = 2 if dtype is None else getattr(dtype, "itemsize", None) or dtype.size
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * int(size)
 
 
 @dataclass

@@ -12,11 +12,11 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+if TYPE_CHECKING:  # path resolution and config reading work without MLX (the torch path uses them)
+    import mlx.core as mx
+    import mlx.nn as nn
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -71,6 +71,8 @@ def load_config(path: Path) -> dict:
 
 def load_safetensors(path: Path) -> dict[str, mx.array]:
     """Every tensor of every ``*.safetensors`` file in the folder."""
+    import mlx.core as mx
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = sorted(f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES)
@@ -115,6 +117,8 @@ def describe_mismatch(expected: dict[str, tuple], weights: dict[str, mx.array], 
 
 def apply_quantization(model: nn.Module, config: dict, weights: dict[str, mx.array]) -> None:
     """Swap in quantised layers where the checkpoint has ``.scales`` (as mlx-lm does for its conversions)."""
+    import mlx.nn as nn
+
     q = config.get("quantization")
     if not q:
         return
@@ -128,6 +132,8 @@ def apply_quantization(model: nn.Module, config: dict, weights: dict[str, mx.arr
 
 def load_weights_strict(model: nn.Module, weights: dict[str, mx.array], what: str = "checkpoint") -> None:
     """Load ``weights`` into ``model``; raise CheckpointError listing every mismatch first."""
+    from mlx.utils import tree_flatten
+
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     problem = describe_mismatch(expected, weights)
     if problem:
@@ -142,6 +148,8 @@ def save_converted(model: nn.Module, config: dict, src: Path, dst: Path, *, bits
 
     Tokenizer and processor files are copied from ``src``. Returns the written config.
     """
+    import mlx.core as mx
+    from mlx.utils import tree_map
     from mlx_lm.utils import quantize_model, save_model
 
     dst.mkdir(parents=True, exist_ok=True)

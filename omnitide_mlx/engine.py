@@ -1,0 +1,578 @@
+"""The streaming engine, backend-neutral: what OmniSession (MLX) and TorchSession (PyTorch) share.
+
+Every push assembles one unit per second of input, prefills it through the model into the session's paged KV
+cache, and then runs retention: above the policy's high watermark the policy plans which tokens stay, the cache
+frees the others and re-rotates the kept keys, and (OmniTide) OmniPage migrates entries when that frees tiles.
+A question and its reply become units of the history too.
+
+Threads: one producer (push) and one consumer (ask) may run at once. Pushes are validated in the caller's thread
+(bad media raise MediaError there and never reach the cache) and queued; whoever holds the engine lock processes
+the queue, so a capture loop never waits for a reply to finish.
+
+A backend subclass provides the model calls (``_forward``, ``_sample``), the cache and array persistence; this
+module imports no array framework.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .core.page import AllocClass
+from .core.pick import RetentionPolicy, apply_plan, make_policy
+from .core.sim import make_layout
+from .core.units import History, SpanKind, Unit, UnitKind
+from .errors import MediaError
+from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
+from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
+
+SESSION_FORMAT = 1
+
+
+@dataclass
+class UpdateRecord:
+    """What one streaming update did: the numbers `omnitide stream --stats / --json` report."""
+
+    t: float | None
+    uid: int
+    kind: str
+    tokens: int
+    retained_cells: int
+    physical_span: int
+    active_pages: int
+    active_subblocks: int
+    kv_bytes: int
+    prefill_ms: float
+    maintenance_ms: float
+    update_ms: float
+    evicted_tokens: int = 0
+    migrated_cells: int = 0
+
+
+@dataclass
+class SessionCounters:
+    units: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
+    migrations: int = 0
+    migrated_cells: int = 0
+    rejected_chunks: int = 0
+    prefill_ms: float = 0.0
+    maintenance_ms: float = 0.0
+    decode_ms: float = 0.0
+    decoded_tokens: int = 0
+    peak_physical_span: int = 0
+
+
+@dataclass
+class Sampling:
+    """Sampling options, named as mlx-lm names them (``temp`` 0 is greedy)."""
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class _Pending:
+    frame: np.ndarray | None
+    audio: np.ndarray | None
+    text: str | None
+    t: float | None
+
+
+def policy_from(policy: RetentionPolicy | str | None, high: int | None = None, low: int | None = None) -> RetentionPolicy:
+    """A policy from a name (``omnitide``, ``omnipick``, ``full``, ``fifo``, ``token``, ``streamingllm``, ``h2o``,
+    ``eager``) or an instance (returned as is)."""
+    if policy is None:
+        policy = "omnitide"
+    if isinstance(policy, str):
+        kw = {}
+        if high is not None:
+            kw["high"] = int(high)
+        if low is not None:
+            kw["low"] = int(low)
+        return make_policy(policy, **kw)
+    return policy
+
+
+def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = 0.72) -> tuple[int, int]:
+    """High / low watermarks (tokens) that keep the KV under ``budget_bytes``: users think in memory.
+
+    The low watermark keeps the paper's default 1800 / 2500 ratio, so trims leave room for the next units.
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"KV budget must be positive (got {budget_bytes} bytes)")
+    high = budget_bytes // bytes_per_token
+    if high < 64:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds only {high} tokens "
+                         f"({bytes_per_token} bytes per token); raise it")
+    return int(high), max(1, int(high * low_ratio))
+
+
+def parse_bytes(text: str) -> int:
+    """``512MiB``, ``2GB``, ``1.5GiB``, ``100000`` -> bytes."""
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+             "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in units:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 512MiB, 2GB)")
+    return int(float(num) * units[unit])
+
+
+class StreamingSession:
+    """Push media, ask questions, bounded KV: the engine, independent of the array framework.
+
+    Subclasses implement ``_load_model``, ``_default_kv_dtype``, ``_make_cache``, ``_load_cache``, ``_forward``,
+    ``_eval``, ``_sampler``, ``_save_arrays`` and ``_load_arrays``.
+    """
+
+    backend = "none"
+
+    def __init__(self, model, processor=None, *, system_prompt: str | None = None,
+                 policy: RetentionPolicy | str | None = "omnitide", high: int | None = None, low: int | None = None,
+                 kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
+                 on_update: Callable[[UpdateRecord], None] | None = None):
+        self.model_path = None
+        if isinstance(model, (str, os.PathLike)):
+            self.model_path = str(model)
+            model, processor = self._load_model(model)
+        elif isinstance(model, tuple):
+            model, processor = model
+        self.model, self.processor = model, processor
+        self.adapter: StreamAdapter = model.stream_adapter(processor)
+        spec = self.adapter.kv_spec
+        self.kv_dtype = kv_dtype or self._default_kv_dtype(model)
+        if kv_budget is not None:
+            budget = parse_bytes(kv_budget) if isinstance(kv_budget, str) else int(kv_budget)
+            high, low = watermarks_for_budget(budget, spec.bytes_per_token(self.kv_dtype))
+        self.policy = policy_from(policy, high, low)
+        self.system_prompt = system_prompt
+        self.on_update = on_update
+        table, self.planner = make_layout(self.policy.layout, page_size, subblock_size)
+        self.cache = self._make_cache(spec, placement=table.placement, page_size=page_size,
+                                      subblock_size=subblock_size, collect_scores=self.policy.needs_scores)
+        self.history = History()
+        self.counters = SessionCounters()
+        self.records: list[UpdateRecord] = []
+        self._init_stream_state()
+        with self._lock:
+            self._prefill(self.adapter.system_unit(system_prompt, 0), AllocClass.MUST_KEEP)
+
+    def _init_stream_state(self) -> None:
+        self._lock = threading.RLock()
+        self._inbox_lock = threading.Lock()
+        self._inbox: deque[_Pending] = deque()
+        self._audio_buf = np.zeros(0, dtype=np.float32)
+        self._pending_frame: np.ndarray | None = None
+        self._pending_t: float | None = None
+        self._audio_driven = False
+        self._seconds = 0.0  # stream time given to units pushed without t
+        self._last_logits = None
+
+    # --- backend hooks ------------------------------------------------------------------------------------------
+    def _load_model(self, path) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def _default_kv_dtype(self, model):
+        raise NotImplementedError
+
+    def _make_cache(self, spec, *, placement: str, page_size: int, subblock_size: int, collect_scores: bool):
+        raise NotImplementedError
+
+    def _load_cache(self, path: Path):
+        raise NotImplementedError
+
+    def _forward(self, embeds, positions: np.ndarray):
+        """Prefill ``embeds`` ``[T, hidden]`` at ``positions`` ``[axes, T]``; return the last token's logits."""
+        raise NotImplementedError
+
+    def _eval(self, *arrays) -> None:
+        raise NotImplementedError
+
+    def _sampler(self, sampling: Sampling) -> Callable[[Any, list[int]], int]:
+        """A function ``(logits, generated ids) -> next id``."""
+        raise NotImplementedError
+
+    def _save_arrays(self, path: Path, arrays: dict) -> None:
+        raise NotImplementedError
+
+    def _load_arrays(self, path: Path) -> dict:
+        raise NotImplementedError
+
+    # --- producer side --------------------------------------------------------------------------------------
+    def push(self, frame=None, audio=None, text: str | None = None, t: float | None = None,
+             sample_rate: int | None = SAMPLE_RATE) -> list[UpdateRecord]:
+        """Queue a camera frame, a piece of audio (any rate, any length) and/or user text (context, no reply).
+
+        Units are assembled at one per second of audio (each with the newest frame); without audio every frame
+        is a unit. Input is validated here: a bad chunk raises MediaError and the session goes on unchanged.
+        Returns the updates this call processed (empty when another thread holds the engine: it processes the
+        queued chunk when it finishes).
+        """
+        if frame is None and audio is None and not text:
+            raise MediaError("push() needs a frame, audio or text")
+        pending = _Pending(
+            frame=as_rgb_frame(frame) if frame is not None else None,
+            audio=as_mono_audio(audio, sample_rate) if audio is not None else None,
+            text=_check_text(text) if text else None,
+            t=float(t) if t is not None else None,
+        )
+        with self._inbox_lock:
+            self._inbox.append(pending)
+        return self._drain(blocking=False)
+
+    def flush(self) -> list[UpdateRecord]:
+        """Turn buffered input (less than a second of audio, a frame waiting for its audio) into a unit."""
+        records = self._drain(blocking=True)
+        with self._lock:
+            if self._audio_buf.size or self._pending_frame is not None:
+                audio = self._audio_buf if self._audio_buf.size else None
+                self._audio_buf = np.zeros(0, dtype=np.float32)
+                records += self._media(self._take_frame(), audio)
+        return records
+
+    # --- consumer side --------------------------------------------------------------------------------------
+    def ask(self, question: str, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
+            top_k: int = 0, repetition_penalty: float | None = None, seed: int | None = None,
+            stop: list[str] | None = None) -> Iterator[str]:
+        """Ask a question about everything streamed so far; returns the reply as an iterator of text pieces.
+
+        Sampling options follow mlx-lm (``temp`` 0 is greedy). The question and the reply become units of the
+        history. Queued pushes are processed first, so the answer sees them.
+        """
+        question = _check_text(question)
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, tuple(stop or ()))
+
+        def reply() -> Iterator[str]:
+            self._lock.acquire()
+            try:
+                self._drain_locked()
+                yield from self._reply(question, sampling)
+            finally:
+                self._lock.release()
+                self._drain(blocking=False)
+
+        return reply()
+
+    def answer(self, question: str, **kwargs) -> str:
+        """``ask`` collected into one string."""
+        return "".join(self.ask(question, **kwargs))
+
+    # --- introspection ----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            layout = self.cache.layout_stats()
+            c = self.counters
+            return {
+                "backend": self.backend,
+                "policy": self.policy.name,
+                "layout": self.policy.layout,
+                "high": self.policy.high,
+                "low": self.policy.low,
+                "units": len(self.history),
+                "retained_cells": layout.retained_cells,
+                "logical_tokens": self.history.total_tokens,
+                "physical_span": layout.physical_span,
+                "peak_physical_span": c.peak_physical_span,
+                "active_pages": layout.active_pages,
+                "active_subblocks": layout.active_subblocks,
+                "capacity": layout.capacity,
+                "kv_bytes": self.cache.nbytes,
+                "kv_bytes_per_token": self.adapter.kv_spec.bytes_per_token(self.kv_dtype),
+                "next_position": self.history.next_position(),
+                "evictions": c.evictions,
+                "evicted_tokens": c.evicted_tokens,
+                "migrations": c.migrations,
+                "migrated_cells": c.migrated_cells,
+                "rejected_chunks": c.rejected_chunks,
+                "timings": {
+                    "prefill_ms": c.prefill_ms,
+                    "maintenance_ms": c.maintenance_ms,
+                    "decode_ms": c.decode_ms,
+                    "decode_tokens_per_s": (c.decoded_tokens / (c.decode_ms / 1000)) if c.decode_ms else 0.0,
+                },
+            }
+
+    # --- persistence --------------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the whole state (KV, page table, units, positions, adapter protocol state, buffered input) to a
+        folder: safetensors for arrays, JSON for the rest."""
+        path = Path(path)
+        with self._lock:
+            self._drain_locked()
+            path.mkdir(parents=True, exist_ok=True)
+            self.cache.save(path / "kv.safetensors")
+            meta_adapter, arrays = self.adapter.state()
+            arrays = dict(arrays)
+            if self._audio_buf.size:
+                arrays["session.audio_buf"] = self._audio_buf
+            if self._pending_frame is not None:
+                arrays["session.pending_frame"] = self._pending_frame
+            if self._last_logits is not None:
+                arrays["session.last_logits"] = self._last_logits
+            if arrays:
+                self._save_arrays(path / "session.safetensors", arrays)
+            meta = {
+                "format": SESSION_FORMAT,
+                "backend": self.backend,
+                "model_path": self.model_path,
+                "system_prompt": self.system_prompt,
+                "policy": self.policy.config(),
+                "kv_dtype": str(self.kv_dtype).split(".")[-1],
+                "history": self.history.to_json(),
+                "adapter": meta_adapter,
+                "counters": asdict(self.counters),
+                "records": [asdict(r) for r in self.records],
+                "stream": {"seconds": self._seconds, "audio_driven": self._audio_driven,
+                           "pending_t": self._pending_t},
+            }
+            with open(path / "session.json", "w", encoding="utf-8") as f:
+                json.dump(meta, f)
+        return path
+
+    @classmethod
+    def restore(cls, path: str | os.PathLike, model=None, processor=None,
+                on_update: Callable[[UpdateRecord], None] | None = None):
+        """Load a session written by ``save``. ``model`` defaults to the path the session was created from."""
+        path = Path(path)
+        try:
+            with open(path / "session.json", encoding="utf-8") as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} holds no saved session (session.json missing)") from None
+        if meta.get("format") != SESSION_FORMAT:
+            raise ValueError(f"{path}: unsupported session format {meta.get('format')}")
+        self = cls.__new__(cls)
+        if model is None:
+            if not meta.get("model_path"):
+                raise ValueError("the saved session does not record its model; pass model=")
+            model = meta["model_path"]
+        self.model_path = str(model) if isinstance(model, (str, os.PathLike)) else meta.get("model_path")
+        if isinstance(model, (str, os.PathLike)):
+            model, processor = self._load_model(model)
+        elif isinstance(model, tuple):
+            model, processor = model
+        self.model, self.processor = model, processor
+        self.adapter = model.stream_adapter(processor)
+        self.kv_dtype = self._dtype_from_name(meta["kv_dtype"])
+        cfg = dict(meta["policy"])
+        self.policy = make_policy(cfg.pop("name"), **cfg)
+        self.system_prompt = meta.get("system_prompt")
+        self.on_update = on_update
+        self.cache = self._load_cache(path / "kv.safetensors")
+        _, self.planner = make_layout(self.policy.layout, self.cache.page_table.page_size,
+                                      self.cache.page_table.subblock_size)
+        self.history = History.from_json(meta["history"])
+        self.cache.page_table.check_history(self.history)
+        self.counters = SessionCounters(**meta["counters"])
+        self.records = [UpdateRecord(**r) for r in meta.get("records", [])]
+        self._init_stream_state()
+        arrays = self._load_arrays(path / "session.safetensors") if (path / "session.safetensors").exists() else {}
+        if "session.audio_buf" in arrays:
+            self._audio_buf = np.asarray(arrays.pop("session.audio_buf"), dtype=np.float32)
+        if "session.pending_frame" in arrays:
+            self._pending_frame = np.asarray(arrays.pop("session.pending_frame"), dtype=np.uint8)
+        self._last_logits = arrays.pop("session.last_logits", None)
+        stream = meta.get("stream", {})
+        self._seconds = float(stream.get("seconds", 0.0))
+        self._audio_driven = bool(stream.get("audio_driven", False))
+        self._pending_t = stream.get("pending_t")
+        self.adapter.load_state(meta.get("adapter", {}), arrays)
+        return self
+
+    def _dtype_from_name(self, name: str):
+        raise NotImplementedError
+
+    # --- engine (lock held) -----------------------------------------------------------------------------------
+    def _drain(self, blocking: bool) -> list[UpdateRecord]:
+        records: list[UpdateRecord] = []
+        while True:
+            if not self._lock.acquire(blocking=blocking):
+                return records
+            try:
+                records += self._drain_locked()
+            finally:
+                self._lock.release()
+            with self._inbox_lock:
+                if not self._inbox:
+                    return records
+
+    def _drain_locked(self) -> list[UpdateRecord]:
+        records: list[UpdateRecord] = []
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    return records
+                item = self._inbox.popleft()
+            try:
+                records += self._process(item)
+            except MediaError:
+                self.counters.rejected_chunks += 1
+                raise
+
+    def _process(self, item: _Pending) -> list[UpdateRecord]:
+        records: list[UpdateRecord] = []
+        if item.t is not None:
+            self._pending_t = item.t
+        if item.frame is not None:
+            if item.audio is None and not self._audio_driven:
+                records += self._media(item.frame, None)
+            else:
+                self._pending_frame = item.frame
+        if item.audio is not None:
+            self._audio_driven = True
+            self._audio_buf = np.concatenate([self._audio_buf, item.audio])
+            while self._audio_buf.size >= SAMPLE_RATE:
+                second, self._audio_buf = self._audio_buf[:SAMPLE_RATE], self._audio_buf[SAMPLE_RATE:]
+                records += self._media(self._take_frame(), second)
+        if item.text:
+            records.append(self._unit(self.adapter.context_unit(item.text, self.history.next_position())))
+        return records
+
+    def _take_frame(self) -> np.ndarray | None:
+        frame, self._pending_frame = self._pending_frame, None
+        return frame
+
+    def _media(self, frame: np.ndarray | None, audio: np.ndarray | None) -> list[UpdateRecord]:
+        t = self._pending_t if self._pending_t is not None else self._seconds
+        self._pending_t = None
+        prepared = self.adapter.media_unit(frame, audio, t, self.history.next_position())
+        self._seconds = t + 1.0
+        return [self._unit(prepared)]
+
+    def _unit(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT) -> UpdateRecord:
+        t0 = time.perf_counter()
+        uid = self._prefill(prepared, alloc_class)
+        t1 = time.perf_counter()
+        evicted, migrated = self._maintain()
+        t2 = time.perf_counter()
+        layout = self.cache.layout_stats()
+        rec = UpdateRecord(
+            t=prepared.t, uid=uid, kind=prepared.kind.value, tokens=prepared.length,
+            retained_cells=layout.retained_cells, physical_span=layout.physical_span,
+            active_pages=layout.active_pages, active_subblocks=layout.active_subblocks, kv_bytes=self.cache.nbytes,
+            prefill_ms=(t1 - t0) * 1000, maintenance_ms=(t2 - t1) * 1000, update_ms=(t2 - t0) * 1000,
+            evicted_tokens=evicted, migrated_cells=migrated)
+        self.records.append(rec)
+        if self.on_update is not None:
+            self.on_update(rec)
+        return rec
+
+    def _prefill(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT) -> int:
+        uid = self.history.next_uid()
+        unit = prepared.to_unit(uid)  # validates spans / positions before the cache is touched
+        t0 = time.perf_counter()
+        self.cache.set_owner(uid, alloc_class)
+        logits = self._forward(prepared.inputs_embeds, prepared.positions)
+        self._eval(logits)
+        self.counters.prefill_ms += (time.perf_counter() - t0) * 1000
+        self.history.append(unit)
+        self.counters.units += 1
+        self._last_logits = logits
+        return uid
+
+    def _maintain(self) -> tuple[int, int]:
+        """Retention after a prefill: the policy's plan, the cache's eviction, and the layout's migration."""
+        t0 = time.perf_counter()
+        evicted = migrated = 0
+        scores = self.cache.token_scores(self.history) if self.policy.needs_scores else None
+        plan = self.policy.plan(self.history, scores=scores)
+        if plan is not None and plan.tokens_after < plan.tokens_before:
+            self.cache.evict(plan, self.history)
+            self.history = apply_plan(self.history, plan)
+            evicted = plan.tokens_before - plan.tokens_after
+            self.counters.evictions += 1
+            self.counters.evicted_tokens += evicted
+            mplan = self.planner.plan(self.cache.page_table)
+            if mplan.accepted:
+                migrated = self.cache.migrate(mplan)
+                self.counters.migrations += 1
+                self.counters.migrated_cells += migrated
+        span = self.cache.layout_stats().physical_span
+        self.counters.peak_physical_span = max(self.counters.peak_physical_span, span)
+        self.counters.maintenance_ms += (time.perf_counter() - t0) * 1000
+        return evicted, migrated
+
+    def _reply(self, question: str, sampling: Sampling) -> Iterator[str]:
+        self._unit(self.adapter.user_unit(question, self.history.next_position()))
+        axes = self.adapter.kv_spec.position_axes
+        logits = self._last_logits
+        sample = self._sampler(sampling)
+        uid = self.history.next_uid()
+        start = self.history.next_position()
+        self.cache.set_owner(uid, AllocClass.RECENT_CONTEXT)
+        generated: list[int] = []
+        emitted = ""
+        stopped = False
+        t0 = time.perf_counter()
+        try:
+            while len(generated) < sampling.max_tokens:
+                token = sample(logits, generated)
+                if token in self.adapter.stop_token_ids:
+                    stopped = True
+                    break
+                generated.append(token)
+                logits = self._forward(self.adapter.embed_tokens([token]),
+                                       text_positions(start + len(generated) - 1, 1, axes))
+                text = self.adapter.decode(generated)
+                cut = _stop_index(text, sampling.stop)
+                if cut is not None:
+                    text, stopped = text[:cut], True
+                if not text.endswith("\ufffd") and len(text) > len(emitted):
+                    piece, emitted = text[len(emitted):], text
+                    yield piece
+                if cut is not None:
+                    break
+        finally:
+            fed = len(generated)
+            self.counters.decode_ms += (time.perf_counter() - t0) * 1000
+            self.counters.decoded_tokens += fed
+            closing = list(self.adapter.finish_reply(generated, stopped))
+            if closing:
+                logits = self._forward(self.adapter.embed_tokens(closing), text_positions(start + fed, len(closing), axes))
+            self._eval(logits)
+            self._last_logits = logits
+            if fed + len(closing):
+                spans = spans_from_runs([(SpanKind.RESPONSE, fed), (SpanKind.BOUNDARY, len(closing))])
+                self.history.append(Unit(uid=uid, kind=UnitKind.REPLY, spans=tuple(spans),
+                                         positions=text_positions(start, fed + len(closing), axes),
+                                         label=question[:40]))
+                self.counters.units += 1
+                self._maintain()
+        text = self.adapter.decode(generated)
+        cut = _stop_index(text, sampling.stop)
+        if cut is not None:
+            text = text[:cut]
+        if len(text) > len(emitted) and not text.endswith("\ufffd"):
+            yield text[len(emitted):]
+
+
+def _check_text(text) -> str:
+    if not isinstance(text, str):
+        raise MediaError(f"text must be a string (got {type(text).__name__})")
+    if not text.strip():
+        raise MediaError("text is empty")
+    return text
+
+
+def _stop_index(text: str, stop) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
