@@ -29,13 +29,21 @@ fi
 
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+
+# pip, quietly, without the machine's "location is ignored" notices, failing when pip fails
+pip_q() {
+  local out rc=0
+  out=$(.venv/bin/python -m pip "$@" 2>&1) || rc=$?
+  printf '%s\n' "$out" | grep -v -e "is ignored" -e "mlx-vlm 0.7.10 requires" -e "dependency conflicts" -e '^\s*$' >&2 || true
+  return $rc
+}
+pip_q install -q --upgrade pip
 if [ "$DEV" = 1 ]; then extras="dev"; else extras="plot"; fi
-.venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
+pip_q install -q -e ".[$extras]"
 if [ "$DEV" = 1 ]; then
   # MiniCPM-o parity reference (tests/models/minicpmo/test_mlx_vlm.py imports only mlx_vlm.models, which needs
   # nothing beyond mlx and numpy): without its dependency tree (opencv-python, fastapi, mlx-audio, ...)
-  .venv/bin/python -m pip install -q --no-deps mlx-vlm==0.7.10 2>&1 | grep -v "is ignored" || true
+  pip_q install -q --no-deps mlx-vlm==0.7.10
 fi
 .venv/bin/python -c "import omnitide_mlx, mlx.core" || { echo "setup failed: omnitide_mlx does not import" >&2; exit 1; }
 echo "ready: .venv ($(.venv/bin/python -c 'import mlx.core as mx; print("mlx", mx.__version__)'))"
