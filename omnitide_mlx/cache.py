@@ -231,17 +231,27 @@ class OmniCache:
         return slots
 
     def end_step(self) -> None:
-        """Close the step. Every layer must have attended once (else the cache would hold unwritten slots)."""
+        """Close the step. Every layer must have attended once; otherwise the step is aborted and this raises."""
         step = self._step
         if step is None:
             raise CacheError("end_step() without begin_step()")
-        self._step = None
         if step.written != self.num_layers:
-            raise CacheError(f"{step.written} of {self.num_layers} layers attended in this step: their slots would "
-                             "hold no K/V")
+            self.abort_step()
+            raise CacheError(f"{step.written} of {self.num_layers} layers attended in this step: the step's slots "
+                             "were given back")
+        self._step = None
         if self.collect_scores and self._step_scores is not None:
             self._scores[: self._capacity] += np.array(self._step_scores, dtype=np.float32)
             self._step_scores = None
+
+    def abort_step(self) -> None:
+        """Give back the open step's slots (a forward that failed half way); the cache is as before the step."""
+        step = self._step
+        if step is None:
+            raise CacheError("abort_step() without begin_step()")
+        self._step = None
+        self._step_scores = None
+        self.table.free(step.slots)
 
     def _slot_seq(self) -> np.ndarray:
         seq = self.table.seq

@@ -38,7 +38,7 @@ from ..core.profiles import PROFILES, StreamSpec, get_profile
 from ..core.sim import LAYOUT_NAMES, Simulator
 from ..kernels import plan_tiles, tile_skip_attention
 from ..kernels import attention as attn
-from .common import Timing, load_average, time_call, versions
+from .common import Timing, load_average, time_interleaved, versions
 
 HELP = "time dense full-context attention against tile-skip attention on the OmniPick layouts (native / OmniPage / eager)"
 DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
@@ -174,7 +174,8 @@ def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_d
 def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: int, chunk: int,
                      dtype=mx.float32, sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None,
                      log=None) -> list[dict]:
-    """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode."""
+    """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode. The calls of one phase are
+    timed interleaved (common.time_interleaved)."""
     rng = np.random.default_rng(seed)
     scale = head_dim ** -0.5
     rows: list[dict] = []
@@ -185,27 +186,22 @@ def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: i
         if log:
             log(row)
 
+    migration_ms = {}  # per layout: one layer's time for its latest migration (None: it never migrated)
+    for name, mig in cp.migrations.items():
+        migration_ms[name] = (_time_migration(mig[0], mig[1], kv_heads, head_dim, dtype, rng, reps or 5).median_ms
+                              if mig and name != "native" else None)
     for phase, t in (("prefill", chunk), ("decode", 1)):
         q = _random((1, q_heads, t, head_dim), rng, dtype)
-        # dense full-context baseline
+        calls, info = {}, {}
+        # dense full-context baseline: the chunk over the whole no-slide history
         keys = cp.full_context_tokens + t
-        tile = 64 if phase == "prefill" else 32
-        plan, cap = _contiguous_plan(keys, t, tile)
-        k = _random((1, kv_heads, cap, head_dim), rng, dtype)
-        v = _random((1, kv_heads, cap, head_dim), rng, dtype)
-        mx.eval(q, k, v)
-        ref = time_call(lambda: tile_skip_attention(q, k, v, scale=scale, plan=plan), reps)
-        sdpa = None
+        dense_plan, cap = _contiguous_plan(keys, t, 64 if phase == "prefill" else 32)
+        dk = _random((1, kv_heads, cap, head_dim), rng, dtype)
+        dv = _random((1, kv_heads, cap, head_dim), rng, dtype)
+        calls["full_reference"] = lambda: tile_skip_attention(q, dk, dv, scale=scale, plan=dense_plan)
         if phase == "decode" or cp.full_context_tokens <= sdpa_max_history:
-            sdpa = time_call(lambda: _sdpa_blocks(q, k, v, keys, scale), reps)
-        best, impl = (ref, "reference") if sdpa is None or ref.median_ms <= sdpa.median_ms else (sdpa, "sdpa")
-        full_ms = best.median_ms
-        emit({**base, "phase": phase, "layout": "full", "chunk_tokens": t, "active_slots": keys, "tiles": None,
-              "tile": None, "median_ms": round(full_ms, 3), "timing": best.to_json(), "impl": impl,
-              "reference_ms": round(ref.median_ms, 3), "sdpa_ms": round(sdpa.median_ms, 3) if sdpa else None,
-              "speedup_vs_full": 1.0, "limit": 1.0, "ratio_to_limit": 1.0})
-        del k, v, plan
-        # tile-skip over each layout
+            calls["full_sdpa"] = lambda: _sdpa_blocks(q, dk, dv, keys, scale)
+        # tile-skip over each layout, with the chunk (or the decoded token) allocated into it
         for name in LAYOUT_NAMES:
             table = cp.tables[name].copy()
             slots = table.allocate(t, _NEW_UID, AllocClass.RECENT_CONTEXT)
@@ -214,13 +210,23 @@ def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: i
             plan = plan_tiles(table.seq, table.seq[slots], tiles, tile)
             k = _random((1, kv_heads, table.capacity, head_dim), rng, dtype)
             v = _random((1, kv_heads, table.capacity, head_dim), rng, dtype)
-            mx.eval(k, v)
-            tm = time_call(lambda: tile_skip_attention(q, k, v, scale=scale, plan=plan), reps)
-            active = plan.active_slots
-            lim = limit(phase, keys, active, t)
+            calls[name] = (lambda k=k, v=v, plan=plan: tile_skip_attention(q, k, v, scale=scale, plan=plan))
+            info[name] = (plan, tile, table.stats())
+        mx.eval(q, dk, dv)
+        timings = time_interleaved(calls, reps)
+        ref, sdpa = timings["full_reference"], timings.get("full_sdpa")
+        best, impl = (ref, "reference") if sdpa is None or ref.median_ms <= sdpa.median_ms else (sdpa, "sdpa")
+        full_ms = best.median_ms
+        emit({**base, "phase": phase, "layout": "full", "chunk_tokens": t, "active_slots": keys, "tiles": None,
+              "tile": None, "median_ms": round(full_ms, 3), "timing": best.to_json(), "impl": impl,
+              "reference_ms": round(ref.median_ms, 3), "sdpa_ms": round(sdpa.median_ms, 3) if sdpa else None,
+              "speedup_vs_full": 1.0, "limit": 1.0, "ratio_to_limit": 1.0})
+        for name in LAYOUT_NAMES:
+            plan, tile, stats = info[name]
+            tm = timings[name]
+            lim = limit(phase, keys, plan.active_slots, t)
             speed = full_ms / tm.median_ms
-            stats = table.stats()
-            row = {**base, "phase": phase, "layout": name, "chunk_tokens": t, "active_slots": active,
+            row = {**base, "phase": phase, "layout": name, "chunk_tokens": t, "active_slots": plan.active_slots,
                    "tiles": plan.n_tiles, "tile": tile, "physical_span": stats.physical_span,
                    "median_ms": round(tm.median_ms, 3), "timing": tm.to_json(), "impl": "reference",
                    "speedup_vs_full": round(speed, 3), "limit": round(lim, 3),
@@ -228,16 +234,14 @@ def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: i
             mig = cp.migrations.get(name)
             if name != "native":
                 row["last_migration_rows"] = int(mig[1].src.size) if mig else 0
-                mt = (_time_migration(mig[0], mig[1], kv_heads, head_dim, dtype, rng, reps or 5) if mig
-                      else None)
-                row["last_migration_ms"] = round(mt.median_ms, 3) if mt else 0.0
+                row["last_migration_ms"] = round(migration_ms[name] or 0.0, 3)
                 row["migrations_per_update"] = round(cp.migration_rate[name], 4)
                 row["migration_ms"] = round(row["last_migration_ms"] * cp.migration_rate[name], 3)
                 if name == "omnipage":
                     with_mig = tm.median_ms + (row["migration_ms"] if phase == "prefill" else 0.0)
                     row["median_ms_with_migration"] = round(with_mig, 3)
             emit(row)
-            del k, v
+        del calls, info, dk, dv
     return rows
 
 

@@ -46,6 +46,25 @@ def time_call(fn: Callable[[], object], reps: int | None = None, max_reps: int =
     return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], reps: int | None = None) -> dict[str, Timing]:
+    """Time several calls side by side: one warm-up each, then rounds that call each once in turn, so that a load
+    change on a shared machine hits every configuration alike. Rounds: ``reps``, else 7 when the slowest call takes
+    under 0.5 s, 3 under 8 s, else 1 (and then a call over 8 s keeps its warm-up as a second sample)."""
+    def once(fn) -> float:
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        return (time.perf_counter() - t0) * 1000
+
+    first = {name: once(fn) for name, fn in fns.items()}
+    slowest = max(first.values())
+    rounds = reps if reps is not None else 1 if slowest > 8000 else 3 if slowest > 500 else 7
+    samples = {name: ([first[name]] if rounds == 1 and first[name] > 8000 else []) for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(once(fn))
+    return {name: Timing(statistics.median(v), min(v), max(v), len(v)) for name, v in samples.items()}
+
+
 def _git_commit() -> str | None:
     try:
         here = os.path.dirname(os.path.abspath(__file__))

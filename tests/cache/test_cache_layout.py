@@ -120,6 +120,12 @@ def test_misuse_is_rejected():
     c[0].attend(mx.zeros((1, 4, 2, 64)), mx.zeros((1, 2, 2, 64)), mx.zeros((1, 2, 2, 64)), 1.0)
     with pytest.raises(CacheError, match="1 of 2 layers"):
         c.end_step()
+    assert c.layout_stats().retained_cells == 0
+    c.begin_step(3)  # a forward that fails half way gives its slots back
+    c.abort_step()
+    assert c.layout_stats().retained_cells == 0
+    with pytest.raises(CacheError, match="without begin_step"):
+        c.abort_step()
     with pytest.raises(CacheError, match="KV dtype"):
         OmniCache(1, 1, 64, RopeSpec(64, 1e4), mx.int32)
     with pytest.raises(CacheError, match="positive int"):

@@ -53,7 +53,7 @@ def test_every_reference_path(path, monkeypatch):
         slots = np.concatenate([np.arange(32, 64), np.arange(128, 192), np.arange(288, 320)])
         keep = slots[rng.random(slots.size) < 0.7]
         seq[keep] = rng.permutation(keep.size)
-    t = 1 if path in ("runs", "slice") else 9
+    t = 1 if path in ("runs", "slice") else 40
     if path == "gather":
         monkeypatch.setattr(attn, "DECODE_MAX_RUNS", 0)
     if path == "blocks":
