@@ -1,0 +1,212 @@
+"""Streaming protocol of the Qwen2.5-Omni thinker, framework-free: one unit per second of camera and microphone input.
+
+Unit layouts (``[B]`` boundary span, ``[I]`` image span, ``[A]`` audio span, ``[T]`` text, ``[S]`` system):
+
+- system: ``[S] <|im_start|>system\\n{prompt}<|im_end|>\\n`` (default: Qwen2.5-Omni's own system prompt)
+- media, frame + audio: ``[B] (<|im_start|>user\\n) <|vision_bos|><|audio_bos|> [I] V [A] A [B] <|audio_eos|>
+  <|vision_eos|>``: an audio-in-video block holding one temporal grid (the frame duplicated to the temporal patch
+  of 2, 1 s per grid) and its ~25 audio tokens, interleaved in 2 s chunks as transformers lays out a video with
+  ``use_audio_in_video``. The bos pair shares one position; V sits at t = p, A at p .. p + 24; the eos pair at one
+  past the last run's largest position.
+- media, frame only: ``[B] <|vision_bos|> [I] V [B] <|vision_eos|>`` (a one-grid video).
+- media, audio only: ``[B] <|audio_bos|> [A] A [B] <|audio_eos|>``.
+  The first media unit of a turn starts with ``<|im_start|>user\\n`` (boundary); the turn stays open.
+- user: ``[B] (<|im_start|>user\\n) [T] text [B] <|im_end|>\\n<|im_start|>assistant\\n``: it closes the open media
+  turn (the question belongs to the same user message as the media before it) or opens and closes its own.
+- context: ``[B] (<|im_start|>user\n) [T] text``: user text that joins the open turn like a media unit.
+- reply: the session's generated tokens; ``finish_reply`` returns ``<|im_end|>\\n`` to close the assistant turn.
+
+Positions are TMRoPE positions starting at ``start`` (the history's next position, after any OmniPick shift).
+Fed unit by unit through a cache they give the same logits as one offline forward over the concatenated sequence,
+where every unit's frame is a separate one-grid video and its audio a separate clip (see the tests).
+
+This module decides token ids, spans, positions and which encoder output goes to which placeholder, with numpy
+only. A backend subclass supplies the arrays: token embeddings, the vision and audio encoders, and the scatter of
+their outputs into the placeholder rows (adapter.py on MLX, omnitide_mlx/torch/qwen2_5_omni.py on PyTorch), so
+both backends lay out every unit identically.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ...core.units import SpanKind, UnitKind
+from ..base import MediaError, PreparedUnit, StreamAdapter, spans_from_runs
+from .processor import DEFAULT_SYSTEM_PROMPT, check_audio, check_frame
+from .rope_index import audio_in_video_positions, audio_token_count, text_positions, vision_positions
+
+FRAME_MIN_PIXELS = 4 * 28 * 28
+FRAME_MAX_PIXELS = 128 * 28 * 28  # the video processor's per-frame floor: 117 tokens for a 640x480 frame
+
+
+class QwenOmniLayout(StreamAdapter):
+    """One session's protocol state (whether a user turn opened by media units is still open) and the unit layouts.
+
+    ``model`` needs ``kv_spec()`` and ``config`` (a :class:`~.config.ModelConfig`); subclasses implement
+    ``embed_tokens``, ``_vision_features``, ``_audio_features`` and ``_scatter``.
+    """
+
+    sample_rate = 16000
+
+    def __init__(self, model, processor, *, frame_min_pixels: int = FRAME_MIN_PIXELS,
+                 frame_max_pixels: int = FRAME_MAX_PIXELS, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
+        self.model = model
+        self.processor = processor
+        self.kv_spec = model.kv_spec()
+        self.frame_min_pixels, self.frame_max_pixels = frame_min_pixels, frame_max_pixels
+        self.default_system_prompt = system_prompt
+        ids = processor.token_ids
+        c = model.config
+        for name, cid in (("<|AUDIO|>", c.audio_token_id), ("<|IMAGE|>", c.image_token_id),
+                          ("<|VIDEO|>", c.video_token_id), ("<|audio_bos|>", c.audio_start_token_id),
+                          ("<|audio_eos|>", c.audio_end_token_id), ("<|vision_bos|>", c.vision_start_token_id),
+                          ("<|vision_eos|>", c.vision_end_token_id)):
+            if ids[name] != cid:
+                raise ValueError(f"tokenizer and config disagree on {name}: {ids[name]} vs {cid}")
+        self.ids = ids
+        self.newline = processor.encode("\n")
+        self.user_open = [ids["<|im_start|>"]] + processor.encode("user\n")
+        self.turn_close = [ids["<|im_end|>"]] + self.newline + [ids["<|im_start|>"]] + processor.encode("assistant\n")
+        self.stop_token_ids = frozenset({ids["<|im_end|>"], ids["<|endoftext|>"]})
+        self.turn_open = False
+
+    # --- what a backend supplies -----------------------------------------------------------------------------
+    @abstractmethod
+    def _vision_features(self, rows: np.ndarray, grid: tuple[int, int, int]) -> Any:
+        """The vision encoder's merged outputs ``[tokens, hidden]`` for one frame's patch rows and grid."""
+
+    @abstractmethod
+    def _audio_features(self, mel: np.ndarray) -> Any:
+        """The audio encoder's outputs ``[tokens, hidden]`` for one clip's log-mel ``[mels, frames]``."""
+
+    @abstractmethod
+    def _scatter(self, embeds: Any, slots: np.ndarray, feats: Any) -> Any:
+        """``embeds`` with rows ``slots`` replaced by ``feats`` (cast to the embeddings' dtype)."""
+
+    # --- helpers --------------------------------------------------------------------------------------------
+    def decode(self, ids) -> str:
+        return self.processor.decode(ids, skip_special_tokens=True)
+
+    def _text_unit(self, kind: UnitKind, runs: list[tuple[SpanKind, list[int]]], start: int, t=None,
+                   label: str = "") -> PreparedUnit:
+        ids = [i for _, part in runs for i in part]
+        return PreparedUnit(kind=kind, input_ids=np.asarray(ids, dtype=np.int32), inputs_embeds=self.embed_tokens(ids),
+                            spans=spans_from_runs([(k, len(p)) for k, p in runs]),
+                            positions=text_positions(start, len(ids)), t=t, label=label)
+
+    # --- units ----------------------------------------------------------------------------------------------
+    def system_unit(self, prompt: str | None, start: int) -> PreparedUnit:
+        prompt = self.default_system_prompt if prompt is None else prompt
+        ids = [self.ids["<|im_start|>"]] + self.processor.encode(f"system\n{prompt}") + [self.ids["<|im_end|>"]] \
+            + self.newline
+        self.turn_open = False
+        return self._text_unit(UnitKind.SYSTEM, [(SpanKind.SYSTEM, ids)], start, label="system")
+
+    def user_unit(self, text: str, start: int) -> PreparedUnit:
+        if not isinstance(text, str):
+            raise TypeError(f"user text must be a string, got {type(text).__name__}")
+        runs = []
+        if not self.turn_open:
+            runs.append((SpanKind.BOUNDARY, self.user_open))
+        runs.append((SpanKind.TEXT, self.processor.encode(text)))
+        runs.append((SpanKind.BOUNDARY, self.turn_close))
+        unit = self._text_unit(UnitKind.USER, runs, start, label=text[:40])
+        self.turn_open = False
+        return unit
+
+    def context_unit(self, text: str, start: int) -> PreparedUnit:
+        if not isinstance(text, str):
+            raise TypeError(f"context text must be a string, got {type(text).__name__}")
+        if not text:
+            raise ValueError("context text is empty")
+        runs = []
+        if not self.turn_open:
+            runs.append((SpanKind.BOUNDARY, self.user_open))
+        runs.append((SpanKind.TEXT, self.processor.encode(text)))
+        unit = self._text_unit(UnitKind.USER, runs, start, label=text[:40])
+        self.turn_open = True
+        return unit
+
+    def finish_reply(self, generated: list[int], stopped: bool) -> list[int]:
+        self.turn_open = False
+        return [self.ids["<|im_end|>"]] + self.newline
+
+    def media_unit(self, frame: np.ndarray | None, audio: np.ndarray | None, t: float | None,
+                   start: int) -> PreparedUnit:
+        if frame is None and audio is None:
+            raise MediaError("a media unit needs a frame, audio or both")
+        vs = self.processor.vision
+        rows = grid = mel = None
+        if frame is not None:  # validate and preprocess everything before any model work
+            rows, grid = vs.image(check_frame(frame), self.frame_min_pixels, self.frame_max_pixels)
+        if audio is not None:
+            mel = self.processor.audio_features(check_audio(audio), self.sample_rate)
+            if audio_token_count(mel.shape[1]) < 1:
+                raise MediaError(f"audio of {np.asarray(audio).shape[0]} samples is too short (needs >= 321)")
+
+        ids, kinds, pos = [], [], []  # kinds: SpanKind per token, pos: [3, n] blocks
+
+        def add(tokens: list[int], kind: SpanKind, positions: np.ndarray):
+            ids.extend(tokens)
+            kinds.extend([kind] * len(tokens))
+            pos.append(positions)
+
+        cursor = start
+        if not self.turn_open:
+            add(self.user_open, SpanKind.BOUNDARY, text_positions(cursor, len(self.user_open)))
+            cursor += len(self.user_open)
+        ids_, cfg = self.ids, self.model.config
+        merge = vs.merge_size
+        n_audio = audio_token_count(mel.shape[1]) if mel is not None else 0
+        if rows is not None and mel is not None:  # one grid of 1 s: the frame, then its audio in 2 s chunks
+            bos_pair = text_positions(cursor, 1).repeat(2, 1)
+            add([ids_["<|vision_bos|>"], ids_["<|audio_bos|>"]], SpanKind.BOUNDARY, bos_pair)
+            runs = audio_in_video_positions(cursor, grid, merge, 1.0, n_audio, cfg.position_id_per_seconds,
+                                            cfg.seconds_per_chunk)
+            for kind, p in runs:
+                token = ids_["<|VIDEO|>"] if kind == "video" else ids_["<|AUDIO|>"]
+                add([token] * p.shape[1], SpanKind.IMAGE if kind == "video" else SpanKind.AUDIO, p)
+            eos = int(runs[-1][1].max()) + 1
+            add([ids_["<|audio_eos|>"], ids_["<|vision_eos|>"]], SpanKind.BOUNDARY,
+                text_positions(eos, 1).repeat(2, 1))
+        elif rows is not None:
+            add([ids_["<|vision_bos|>"]], SpanKind.BOUNDARY, text_positions(cursor, 1))
+            p = vision_positions(cursor + 1, grid, merge, [0])
+            add([ids_["<|VIDEO|>"]] * p.shape[1], SpanKind.IMAGE, p)
+            add([ids_["<|vision_eos|>"]], SpanKind.BOUNDARY, text_positions(int(p.max()) + 1, 1))
+        else:
+            add([ids_["<|audio_bos|>"]], SpanKind.BOUNDARY, text_positions(cursor, 1))
+            add([ids_["<|AUDIO|>"]] * n_audio, SpanKind.AUDIO, text_positions(cursor + 1, n_audio))
+            add([ids_["<|audio_eos|>"]], SpanKind.BOUNDARY, text_positions(cursor + 1 + n_audio, 1))
+
+        input_ids = np.asarray(ids, dtype=np.int32)
+        embeds = self.embed_tokens(input_ids)
+        extras = {}
+        if rows is not None:
+            t0 = time.perf_counter()
+            slots = np.nonzero(input_ids == ids_["<|VIDEO|>"])[0]
+            embeds = self._scatter(embeds, slots, self._vision_features(rows, grid))
+            extras["vision_tokens"] = int(slots.size)
+            extras["vision_s"] = time.perf_counter() - t0
+        if mel is not None:
+            t0 = time.perf_counter()
+            slots = np.nonzero(input_ids == ids_["<|AUDIO|>"])[0]
+            embeds = self._scatter(embeds, slots, self._audio_features(mel))
+            extras["audio_tokens"] = int(slots.size)
+            extras["audio_s"] = time.perf_counter() - t0
+        spans = spans_from_runs([(k, 1) for k in kinds])
+        self.turn_open = True
+        label = "+".join(x for x, v in (("frame", rows), ("audio", mel)) if v is not None)
+        return PreparedUnit(kind=UnitKind.MEDIA, input_ids=input_ids, inputs_embeds=embeds, spans=spans,
+                            positions=np.concatenate(pos, axis=1), t=t, label=label, extras=extras)
+
+    # --- session save / restore -----------------------------------------------------------------------------
+    def state(self) -> tuple[dict, dict]:
+        return {"turn_open": self.turn_open}, {}
+
+    def load_state(self, meta: dict, arrays: dict) -> None:
+        self.turn_open = bool(meta.get("turn_open", False))
