@@ -19,14 +19,21 @@ import mlx.core as mx
 
 @dataclass(frozen=True)
 class Timing:
+    """Wall-clock median / min / max, and the median process CPU time (all threads of this process): on a shared
+    machine CPU time stays close to the work done while wall time also counts waiting for the cores."""
+
     median_ms: float
     min_ms: float
     max_ms: float
     reps: int
+    cpu_median_ms: float | None = None
 
     def to_json(self) -> dict:
-        return {"median_ms": round(self.median_ms, 4), "min_ms": round(self.min_ms, 4),
-                "max_ms": round(self.max_ms, 4), "reps": self.reps}
+        out = {"median_ms": round(self.median_ms, 4), "min_ms": round(self.min_ms, 4),
+               "max_ms": round(self.max_ms, 4), "reps": self.reps}
+        if self.cpu_median_ms is not None:
+            out["cpu_median_ms"] = round(self.cpu_median_ms, 4)
+        return out
 
 
 def time_call(fn: Callable[[], object], reps: int | None = None, max_reps: int = 7) -> Timing:
@@ -50,19 +57,24 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int | None = No
     """Time several calls side by side: one warm-up each, then rounds that call each once in turn, so that a load
     change on a shared machine hits every configuration alike. Rounds: ``reps``, else 7 when the slowest call takes
     under 0.5 s, 3 under 8 s, else 1 (and then a call over 8 s keeps its warm-up as a second sample)."""
-    def once(fn) -> float:
-        t0 = time.perf_counter()
+    def once(fn) -> tuple[float, float]:
+        c0, t0 = time.process_time(), time.perf_counter()
         mx.eval(fn())
-        return (time.perf_counter() - t0) * 1000
+        return (time.perf_counter() - t0) * 1000, (time.process_time() - c0) * 1000
 
     first = {name: once(fn) for name, fn in fns.items()}
-    slowest = max(first.values())
+    slowest = max(w for w, _ in first.values())
     rounds = reps if reps is not None else 1 if slowest > 8000 else 3 if slowest > 500 else 7
-    samples = {name: ([first[name]] if rounds == 1 and first[name] > 8000 else []) for name in fns}
+    samples = {name: ([first[name]] if rounds == 1 and first[name][0] > 8000 else []) for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             samples[name].append(once(fn))
-    return {name: Timing(statistics.median(v), min(v), max(v), len(v)) for name, v in samples.items()}
+    out = {}
+    for name, v in samples.items():
+        wall = [w for w, _ in v]
+        out[name] = Timing(statistics.median(wall), min(wall), max(wall), len(v),
+                           statistics.median(c for _, c in v))
+    return out
 
 
 def _git_commit() -> str | None:
