@@ -35,12 +35,21 @@ from typing import Any
 import numpy as np
 
 from ...core.units import SpanKind, UnitKind
-from ..base import MediaError, PreparedUnit, StreamAdapter, spans_from_runs
+from ...rope import RopeSpec
+from ..base import KVSpec, MediaError, PreparedUnit, StreamAdapter, spans_from_runs
 from .processor import DEFAULT_SYSTEM_PROMPT, check_audio, check_frame
 from .rope_index import audio_in_video_positions, audio_token_count, text_positions, vision_positions
 
 FRAME_MIN_PIXELS = 4 * 28 * 28
 FRAME_MAX_PIXELS = 128 * 28 * 28  # the video processor's per-frame floor: 117 tokens for a 640x480 frame
+
+
+def kv_spec(config) -> KVSpec:
+    """The thinker's KV cache shape and RoPE (M-RoPE: 3 position axes, NeoX rotation over the whole head) from a
+    :class:`~.config.ModelConfig`; both backends' models report it."""
+    t = config.text_config
+    return KVSpec(num_layers=t.num_hidden_layers, kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                  rope=RopeSpec(t.head_dim, t.rope_theta, traditional=False), position_axes=3)
 
 
 class QwenOmniLayout(StreamAdapter):

@@ -11,11 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...rope import RopeSpec
 from ..base import KVSpec
 from .audio import AudioEncoder
 from .config import ModelConfig
 from .language import LanguageModel
+from .layout import kv_spec
 from .rope_index import get_rope_index
 from .vision import VisionEncoder
 
@@ -71,9 +71,7 @@ class Model(nn.Module):
 
     # --- engine contract ------------------------------------------------------------------------------------
     def kv_spec(self) -> KVSpec:
-        t = self.config.text_config
-        return KVSpec(num_layers=t.num_hidden_layers, kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-                      rope=RopeSpec(t.head_dim, t.rope_theta, traditional=False), position_axes=3)
+        return kv_spec(self.config)
 
     def stream_adapter(self, processor, **kw):
         from .adapter import QwenOmniAdapter
