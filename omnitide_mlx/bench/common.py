@@ -54,21 +54,24 @@ def time_call(fn: Callable[[], object], reps: int | None = None, max_reps: int =
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], reps: int | None = None) -> dict[str, Timing]:
-    """Time several calls side by side: one warm-up each, then rounds that call each once in turn, so that a load
-    change on a shared machine hits every configuration alike. Rounds: ``reps``, else 7 when the slowest call takes
-    under 0.5 s, 3 under 8 s, else 1 (and then a call over 8 s keeps its warm-up as a second sample)."""
+    """Time several calls side by side: one warm-up each, then rounds that call each (still short of samples) once
+    in turn, so that a load change on a shared machine hits every configuration alike. Samples per call: ``reps``,
+    else 7 when its warm-up took under 0.5 s, 3 under 8 s, else 2 (the warm-up itself being one of them)."""
     def once(fn) -> tuple[float, float]:
         c0, t0 = time.process_time(), time.perf_counter()
         mx.eval(fn())
         return (time.perf_counter() - t0) * 1000, (time.process_time() - c0) * 1000
 
     first = {name: once(fn) for name, fn in fns.items()}
-    slowest = max(w for w, _ in first.values())
-    rounds = reps if reps is not None else 1 if slowest > 8000 else 3 if slowest > 500 else 7
-    samples = {name: ([first[name]] if rounds == 1 and first[name][0] > 8000 else []) for name in fns}
-    for _ in range(rounds):
+    need, samples = {}, {}
+    for name, (wall, _) in first.items():
+        long = wall > 8000
+        need[name] = reps if reps is not None else 2 if long else 3 if wall > 500 else 7
+        samples[name] = [first[name]] if long and reps is None else []
+    while any(len(samples[n]) < need[n] for n in fns):
         for name, fn in fns.items():
-            samples[name].append(once(fn))
+            if len(samples[name]) < need[name]:
+                samples[name].append(once(fn))
     out = {}
     for name, v in samples.items():
         wall = [w for w, _ in v]

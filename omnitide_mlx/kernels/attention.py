@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 import mlx.core as mx
@@ -53,6 +53,8 @@ class TilePlan:
     key_seq: mx.array  # [capacity] int32, free slots -> _NO_SEQ (one comparison masks holes and the future)
     q_seq: mx.array  # [T] int32
     tiles_mx: mx.array  # [n_tiles] int32
+    key_np: np.ndarray  # [capacity] int64, free slots -> _NO_SEQ
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # per query block schedules
 
     @property
     def n_tiles(self) -> int:
@@ -94,6 +96,7 @@ def plan_tiles(slot_seq, q_seq, tiles, tile: int = PREFILL_TILE) -> TilePlan:
         key_seq=mx.array(key.astype(np.int32)),
         q_seq=mx.array(qs.astype(np.int32)),
         tiles_mx=mx.array(t.astype(np.int32)),
+        key_np=key,
     )
 
 
@@ -161,6 +164,58 @@ def _softmax_rows(s: mx.array) -> mx.array:
     return mx.softmax(s, axis=-1, precise=True)
 
 
+@dataclass(frozen=True)
+class _Block:
+    """How one query block reaches its keys; computed once per plan and reused by every layer."""
+
+    mode: str  # "none" (no visible tile), "slice", "runs" or "gather"
+    runs: tuple[tuple[int, int], ...]
+    idx: mx.array | None  # gathered slots ("gather")
+    slots: mx.array | None  # the selected slots in score order (for return_scores)
+    key_seq: mx.array | None  # [n] serials of the selected slots (free -> _NO_SEQ)
+    mask: mx.array | None  # [tb, n] visibility when cached (small blocks); None: computed per call or not needed
+    needs_mask: bool  # False when every selected key is visible to every query of the block
+    keep_rows: mx.array | None  # [tb] False for queries that see no key (None: every query sees one)
+
+
+MASK_CACHE_MAX = 1 << 20  # cache a block's visibility mask in the plan up to this many elements
+
+
+def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
+    key = (i0, i1, g)
+    cached = plan.cache.get(key)
+    if cached is not None:
+        return cached
+    qs_np = plan.q_seq_np[i0:i1]
+    sel = plan.tile_min <= qs_np.max()  # tiles some query of the block can see
+    tiles = plan.tiles[sel]
+    if tiles.size == 0:
+        blk = _Block("none", (), None, None, None, None, False, None)
+        plan.cache[key] = blk
+        return blk
+    runs = tuple(_runs(tiles, plan.tile))
+    tb = i1 - i0
+    if len(runs) == 1:
+        mode, idx = "slice", None
+    elif g * tb <= RUN_SCORES_MAX_ROWS and len(runs) <= DECODE_MAX_RUNS:
+        # decode-sized: score run by run (concatenating scores copies rows x keys floats, a gather 2 x keys x D)
+        mode, idx = "runs", None
+    else:
+        mode = "gather"
+        idx = mx.array((tiles[:, None] * plan.tile + np.arange(plan.tile)[None, :]).reshape(-1).astype(np.int32))
+    slot_np = np.concatenate([np.arange(a, b) for a, b in runs])
+    key_np = plan.key_np[slot_np]
+    needs_mask = bool(key_np.max() > qs_np.min())  # a hole, or a key some query of the block may not see yet
+    mask = None
+    if needs_mask and tb * key_np.size <= MASK_CACHE_MAX:
+        mask = mx.array(key_np[None, :] <= qs_np[:, None])
+    empty = qs_np < plan.tile_min[sel].min()  # queries that see no key: softmax of -inf rows is NaN
+    blk = _Block(mode, runs, idx, mx.array(slot_np.astype(np.int32)), mx.array(key_np.astype(np.int32)), mask,
+                 needs_mask, mx.array(~empty) if empty.any() else None)
+    plan.cache[key] = blk
+    return blk
+
+
 def reference_attention(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: TilePlan, scale: float,
                         return_scores: bool = False):
     """The MLX-ops implementation of the contract (used off Metal, and the Metal kernel's oracle)."""
@@ -176,67 +231,57 @@ def reference_attention(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: Til
     outs = []
     for i0 in range(0, t, block):
         i1 = min(t, i0 + block)
-        qs_np = plan.q_seq_np[i0:i1]
-        visible = plan.tile_min <= qs_np.max()  # tiles some query of the block can see
-        o, p_sum = _attend_block(q[:, :, i0:i1, :], k_buf, v_buf, plan, plan.tiles[visible],
-                                 plan.tile_min[visible], plan.q_seq[i0:i1], qs_np, scale, g, return_scores)
+        blk = _schedule(plan, i0, i1, g)
+        o, p_sum = _attend_block(q[:, :, i0:i1, :] if block < t else q, k_buf, v_buf, blk, plan.q_seq[i0:i1],
+                                 scale, g, return_scores)
         outs.append(o)
-        if return_scores and p_sum is not None:
-            scores = scores.at[p_sum[0]].add(p_sum[1])
+        if p_sum is not None:
+            scores = scores.at[blk.slots].add(p_sum)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     out = out.astype(out_dtype)
     return (out, scores) if return_scores else out
 
 
-def _attend_block(q, k_buf, v_buf, plan: TilePlan, tiles: np.ndarray, tile_min: np.ndarray, q_seq: mx.array,
-                  qs_np: np.ndarray, scale: float, g: int, return_scores: bool):
-    """One query block over the given tiles; returns (output [1, Hq, tb, D] float32, (slots, attention) or None)."""
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def _attend_block(q, k_buf, v_buf, blk: _Block, q_seq: mx.array, scale: float, g: int, return_scores: bool):
+    """One query block; returns (output [1, Hq, tb, D] float32, attention per selected slot or None)."""
     _, hq, tb, d = q.shape
     hkv = k_buf.shape[1]
-    if tiles.size == 0:
+    if blk.mode == "none":
         return mx.zeros((1, hq, tb, d), mx.float32), None
-    runs = _runs(tiles, plan.tile)
-    qg = (q.astype(mx.float32) * scale).reshape(1, hkv, g * tb, d)  # rows (g, t): GQA without repeating K
-
-    def f32(x):
-        return x if x.dtype == mx.float32 else x.astype(mx.float32)
-
-    if len(runs) == 1:  # contiguous: slice, no copy
-        a, b = runs[0]
-        key_seq = plan.key_seq[a:b]
-        s = qg @ f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2)
-        values = [(f32(v_buf[:, :, a:b, :]), b - a)]
-        slots = mx.arange(a, b)
-    elif g * tb <= RUN_SCORES_MAX_ROWS and len(runs) <= DECODE_MAX_RUNS:
-        # decode-sized: score run by run (concatenating scores copies rows x keys floats, a gather 2 x keys x D)
-        key_seq = mx.concatenate([plan.key_seq[a:b] for a, b in runs])
-        s = mx.concatenate([qg @ f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2) for a, b in runs], axis=-1)
-        values = [(f32(v_buf[:, :, a:b, :]), b - a) for a, b in runs]
-        slots = mx.concatenate([mx.arange(a, b) for a, b in runs])
-    else:  # gather the active tiles
-        idx_np = (tiles[:, None] * plan.tile + np.arange(plan.tile)[None, :]).reshape(-1).astype(np.int32)
-        idx = mx.array(idx_np)
-        key_seq = plan.key_seq[idx]
-        s = qg @ f32(k_buf[:, :, idx, :]).swapaxes(-1, -2)
-        values = [(f32(v_buf[:, :, idx, :]), int(idx_np.shape[0]))]
-        slots = idx
+    qg = (_f32(q) * scale).reshape(1, hkv, g * tb, d)  # rows (g, t): GQA without repeating K
+    if blk.mode == "slice":  # contiguous: a view, no copy
+        a, b = blk.runs[0]
+        s = qg @ _f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2)
+        values = [_f32(v_buf[:, :, a:b, :])]
+    elif blk.mode == "runs":
+        s = mx.concatenate([qg @ _f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2) for a, b in blk.runs], axis=-1)
+        values = [_f32(v_buf[:, :, a:b, :]) for a, b in blk.runs]
+    else:
+        s = qg @ _f32(k_buf[:, :, blk.idx, :]).swapaxes(-1, -2)
+        values = [_f32(v_buf[:, :, blk.idx, :])]
     n = s.shape[-1]
-    visible = key_seq[None, :] <= q_seq[:, None]  # [tb, n]
-    s = mx.where(visible, s.reshape(1, hkv, g, tb, n), -mx.inf)
+    s = s.reshape(1, hkv, g, tb, n)
+    if blk.needs_mask:
+        mask = blk.mask if blk.mask is not None else blk.key_seq[None, :] <= q_seq[:, None]
+        s = mx.where(mask, s, -mx.inf)
     p = _softmax_rows(s)
-    empty = qs_np < tile_min.min()  # queries that see no key: softmax of -inf rows is NaN
-    if empty.any():
-        p = mx.where(mx.array(~empty)[:, None], p, 0.0)
+    if blk.keep_rows is not None:
+        p = mx.where(blk.keep_rows[:, None], p, 0.0)
     p = p.reshape(1, hkv, g * tb, n)
-    o = None
-    off = 0
-    for vv, m in values:
-        part = (p if len(values) == 1 else p[..., off:off + m]) @ vv
-        o = part if o is None else o + part
-        off += m
-    o = o.reshape(1, hq, tb, d)
-    p_sum = (slots, p.sum(axis=(0, 1, 2))) if return_scores else None
-    return o, p_sum
+    if len(values) == 1:
+        o = p @ values[0]
+    else:
+        o, off = None, 0
+        for vv in values:
+            m = vv.shape[2]
+            part = p[..., off:off + m] @ vv
+            o = part if o is None else o + part
+            off += m
+    return o.reshape(1, hq, tb, d), (p.sum(axis=(0, 1, 2)) if return_scores else None)
 
 
 # --- Metal --------------------------------------------------------------------------------------------------------
