@@ -68,7 +68,7 @@ class OmniSession(StreamingSession):
 
     def _forward(self, embeds: mx.array, positions: np.ndarray) -> mx.array:
         pos = mx.array(positions if positions.shape[0] > 1 else positions[0])
-        logits = self.model.language_model(embeds[None], self.cache, pos)
+        logits = self.model.language_model(embeds[None], self.cache, pos, last_only=True)
         out = logits[0, -1]
         mx.async_eval(out)
         return out

@@ -153,8 +153,12 @@ class LanguageModel(nn.Module):
             cache.end_step()
         return self.model.norm(h)
 
-    def __call__(self, inputs_embeds: mx.array, cache=None, positions=None) -> mx.array:
+    def __call__(self, inputs_embeds: mx.array, cache=None, positions=None, last_only: bool = False) -> mx.array:
+        """Logits ``[B, T, vocab]``; ``last_only``: of the last position only (``[B, 1, vocab]``), all a streaming
+        prefill needs (the full logits of a unit cost a vocabulary-wide matmul per token)."""
         h = self.hidden_states(inputs_embeds, cache, positions)
+        if last_only:
+            h = h[:, -1:]
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)

@@ -162,7 +162,11 @@ class LanguageModel(nn.Module):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def __call__(self, inputs_embeds: mx.array, cache=None, positions=None, mask=None) -> mx.array:
+    def __call__(self, inputs_embeds: mx.array, cache=None, positions=None, mask=None,
+                 last_only: bool = False) -> mx.array:
         """Logits ``[B, T, vocab]`` for ``inputs_embeds`` ``[B, T, H]`` (or ``[T, H]``) at ``positions``
-        (``[3, T]`` TMRoPE positions, or ``[T]`` for text; None: sequential after what the cache holds)."""
-        return self.logits(self.hidden_states(inputs_embeds, cache, positions, mask))
+        (``[3, T]`` TMRoPE positions, or ``[T]`` for text; None: sequential after what the cache holds).
+        ``last_only``: logits of the last position only (``[B, 1, vocab]``): a streaming prefill needs no more,
+        and a 2,300-token unit's full logits would cost a 152K-wide matmul per token and gigabytes."""
+        h = self.hidden_states(inputs_embeds, cache, positions, mask)
+        return self.logits(h[:, -1:] if last_only else h)
