@@ -18,6 +18,7 @@ examples:
   omnitide stream --model Qwen/Qwen2.5-Omni-3B --video clip.mp4 --ask "5:What colour is the background?"
   omnitide stream --model ./checkpoints/tiny-minicpmo --video clip.mp4 --policy fifo --kv-budget 64MiB \\
       --ask "3:What did you hear?" --stats --json out.json
+  omnitide stream --backend torch --device cuda --model Qwen/Qwen2.5-Omni-3B --video clip.mp4 --ask "5:What is it?"
 """
 
 POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
@@ -49,8 +50,16 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low", type=int, default=None, help="low watermark in tokens (default 1800)")
 
 
+def add_backend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["mlx", "torch"], default="mlx",
+                   help="mlx (default) or torch: transformers' Qwen2.5-Omni thinker on PyTorch (CUDA or CPU; needs "
+                        "the torch extra)")
+    p.add_argument("--device", default=None, help="torch backend: cuda, cuda:N or cpu (default: cuda if available)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_backend_arguments(p)
     p.add_argument("--video", default=None, help="video file (its audio track is used unless --audio is given)")
     p.add_argument("--audio", default=None, help="audio file (wav/flac/ogg/mp3/m4a/...)")
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
@@ -78,16 +87,33 @@ def parse_questions(items: list[str]) -> list[tuple[float, str]]:
 
 
 def session_from_args(args, on_update=None):
-    """Load the model and build an OmniSession from the shared model / policy flags."""
-    from ..models import load
-    from ..session import OmniSession
+    """Load the model and build an OmniSession (``--backend mlx``) or a TorchSession (``--backend torch``) from the
+    shared model / policy flags."""
+    backend = getattr(args, "backend", "mlx")
+    if backend == "torch":
+        try:
+            import torch
 
+            from ..torch.qwen2_5_omni import load
+            from ..torch.session import TorchSession as session_class
+        except ImportError as e:
+            raise ValueError(f"--backend torch needs PyTorch and transformers ({e}); install the torch extra: "
+                             "pip install 'omnitide-mlx[torch]'") from None
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        load_kw = {"device": device}
+    else:
+        if getattr(args, "device", None):
+            raise ValueError("--device applies to --backend torch (MLX picks its own device)")
+        from ..models import load
+        from ..session import OmniSession as session_class
+
+        load_kw = {}
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, end="", flush=True)
-    model, processor = load(args.model)
+    model, processor = load(args.model, **load_kw)
     print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    session = OmniSession((model, processor), system_prompt=args.system_prompt, policy=args.policy,
-                          high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update)
+    session = session_class((model, processor), system_prompt=args.system_prompt, policy=args.policy,
+                            high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update)
     session.model_path = args.model
     return session
 

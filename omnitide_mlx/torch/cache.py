@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,6 +160,7 @@ class OmniTorchCache(Cache):
         self.grow_pages = int(grow_pages)
         self.collect_scores = bool(collect_scores)
         self.kernel = "reference" if self.collect_scores else kernel
+        self.kernel_fallback: str | None = None  # why flex gave way to sdpa, when it did
         self.attention = attention
         self.rounding = rounding
         self.seed = int(seed)
@@ -296,10 +298,20 @@ class OmniTorchCache(Cache):
         if index != step.attended or index >= step.written:
             self.abort_step()
             raise CacheError(f"layer {index} attended out of order; the step's slots were given back")
-        if self.collect_scores:
-            out, scores = attend(self.kernel, q, layer.keys, layer.values, step.plan, scale, return_scores=True)
-            self._scores += scores
-        else:
+        try:
+            if self.collect_scores:
+                out, scores = attend(self.kernel, q, layer.keys, layer.values, step.plan, scale, return_scores=True)
+                self._scores += scores
+            else:
+                out = attend(self.kernel, q, layer.keys, layer.values, step.plan, scale)
+        except Exception as e:
+            if self.kernel != "flex":
+                self.abort_step()
+                raise
+            # FlexAttention unavailable or not compilable here: SDPA over the span from now on (said once, recorded)
+            self.kernel, self.kernel_fallback = "sdpa", f"{type(e).__name__}: {e}"[:500]
+            warnings.warn(f"FlexAttention failed ({self.kernel_fallback}); this cache falls back to SDPA over the "
+                          "span", RuntimeWarning, stacklevel=2)
             out = attend(self.kernel, q, layer.keys, layer.values, step.plan, scale)
         step.attended += 1
         if step.attended == self.num_layers:
@@ -442,7 +454,8 @@ class OmniTorchCache(Cache):
         s.update(buffer_capacity=self._capacity, kv_bytes=self.nbytes,
                  kv_bytes_retained=s["retained_cells"] * self.bytes_per_token,
                  kv_bytes_span=s["physical_span"] * self.bytes_per_token, moved_rows=self.moved_rows,
-                 rotated_rows=self.rotated_rows, kernel=self.kernel, attention=self.attention)
+                 rotated_rows=self.rotated_rows, kernel=self.kernel, kernel_fallback=self.kernel_fallback,
+                 attention=self.attention)
         return s
 
     # --- persistence (the MLX OmniCache's safetensors layout) --------------------------------------------------
