@@ -11,8 +11,11 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))  # torch_stream.py
 from torch_stream import DEVICE  # noqa: E402
 
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    raise pytest.UsageError("OMNITIDE_TORCH_DEVICE=cuda, but torch sees no CUDA device")
+if DEVICE.type == "cuda":
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("OMNITIDE_TORCH_DEVICE=cuda, but torch sees no CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32: the tolerances are for full precision
+    torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.fixture(scope="session")

@@ -227,3 +227,19 @@ def test_stochastic_rounding_is_unbiased():
         torch.tensor(2.0, dtype=torch.float16)))}
     assert abs(r.mean().item() - (1.0 + 1e-4)) < 1e-5
     assert torch.equal(stochastic_round(y, torch.float32, gen), y)
+
+
+def test_flex_failure_falls_back_to_sdpa_once_and_says_why(monkeypatch):
+    """Where FlexAttention cannot run (no from_kv_blocks, a compile error), the cache goes on with SDPA over the
+    span, warns once, and records the reason in its stats."""
+    import omnitide_mlx.torch.attention as attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no flex here")
+
+    monkeypatch.setattr(attention, "flex_attend", broken)
+    s = Stream(make_cache(kernel="flex"), q_heads=4, seed=8)
+    with pytest.warns(RuntimeWarning, match="falls back to SDPA"):
+        run_session(s, OmniPick(high=200, low=140), units=6)
+    assert s.cache.kernel == "sdpa" and "no flex here" in s.cache.stats()["kernel_fallback"]
+    assert max_err(s) < TOL
