@@ -1,0 +1,101 @@
+"""Measuring what a streaming session still knows, without changing it.
+
+``probe_logits`` feeds a few tokens (a question and the start of its answer) at the end of the session's retained
+history, through the session's own bounded OmniCache, reads the next-token logits, and takes the tokens back out
+with an ordinary retention plan that drops them. The session's history, cache contents and H2O scores are as
+before, so many questions can be asked of one stream state and none of them steers later retention.
+
+``RetentionRecorder`` wraps a policy and records, for every unit, which of its original tokens are still retained:
+it tells whether a fact's answer token survived in the KV cache when the question comes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.pick import RetentionPlan, RetentionPolicy, plan_from_mask
+from ..core.units import History, Span, SpanKind, Unit, UnitKind
+from ..models.base import text_positions
+
+
+class RetentionRecorder:
+    """A policy that behaves exactly like ``policy`` and remembers each unit's retained original token indices."""
+
+    def __init__(self, policy: RetentionPolicy):
+        self.policy = policy
+        self.kept: dict[int, np.ndarray] = {}  # uid -> original token indices still in the cache
+        self.plans = 0
+
+    def __getattr__(self, name):  # name, high, low, layout, needs_scores, config, keep_mask
+        return getattr(self.policy, name)
+
+    def plan(self, history: History, scores=None) -> RetentionPlan | None:
+        for u in history:
+            if u.uid not in self.kept:
+                self.kept[u.uid] = np.arange(u.length)
+        plan = self.policy.plan(history, scores=scores)
+        if plan is not None and plan.tokens_after < plan.tokens_before:
+            self.plans += 1
+            for up in plan.units:
+                self.kept[up.uid] = self.kept[up.uid][up.keep_mask()]
+        return plan
+
+    def retained(self, uid: int, index: int) -> bool:
+        """Is token ``index`` (of the unit as it was pushed) of unit ``uid`` still in the cache?"""
+        kept = self.kept.get(uid)
+        return kept is not None and bool(np.isin(index, kept))
+
+
+def question_ids(session, question: str, answer_prefix: str = "") -> list[int]:
+    """The token ids a question unit would have now (the adapter's protocol state is left as it was), followed by
+    the start of the answer."""
+    adapter = session.adapter
+    meta, arrays = adapter.state()
+    try:
+        prepared = adapter.user_unit(question, session.history.next_position())
+    finally:
+        adapter.load_state(meta, arrays)
+    ids = [int(i) for i in prepared.input_ids]
+    if answer_prefix:
+        ids += list(adapter.encode(answer_prefix))
+    return ids
+
+
+def probe_logits(session, ids: list[int]) -> np.ndarray:
+    """Next-token logits (float32 numpy) after ``ids`` appended to the session's retained history; the session is
+    left unchanged (the probe's KV slots are freed by a plan that drops the probe unit)."""
+    import mlx.core as mx
+
+    if not ids:
+        raise ValueError("a probe needs at least one token")
+    cache, history = session.cache, session.history
+    axes = session.adapter.kv_spec.position_axes
+    n, start, uid = len(ids), history.next_position(), history.next_uid()
+    positions = text_positions(start, n, axes)
+    collect = cache.collect_scores
+    cache.collect_scores = False  # the probe's attention must not count for H2O
+    try:
+        cache.set_owner(uid)
+        embeds = session.adapter.embed_tokens(ids)
+        pos = mx.array(positions if axes > 1 else positions[0])
+        logits = session.model.language_model(embeds[None], cache, pos, last_only=True)[0, -1]
+        out = np.array(logits.astype(mx.float32))
+    finally:
+        cache.collect_scores = collect
+    probe = Unit(uid=uid, kind=UnitKind.USER, spans=(Span(SpanKind.TEXT, 0, n),), positions=positions)
+    with_probe = History(list(history) + [probe])
+    keep = np.ones(with_probe.total_tokens, dtype=bool)
+    keep[-n:] = False
+    cache.evict(plan_from_mask(with_probe, keep, "probe"), with_probe)
+    return out
+
+
+def context_unit_ids(session, text: str) -> list[int]:
+    """The token ids ``session.push(text=text)`` would prefill now (the adapter's state is left as it was)."""
+    adapter = session.adapter
+    meta, arrays = adapter.state()
+    try:
+        prepared = adapter.context_unit(text, session.history.next_position())
+    finally:
+        adapter.load_state(meta, arrays)
+    return [int(i) for i in prepared.input_ids]
