@@ -201,6 +201,11 @@ class OmniTorchCache(Cache):
     def retained(self) -> int:
         return self.table.retained
 
+    @property
+    def in_step(self) -> bool:
+        """A forward step is open (its slots are allocated, not every layer has finished)."""
+        return self._step is not None
+
     # --- one forward step -----------------------------------------------------------------------------------
     def set_owner(self, uid: int, alloc_class: AllocClass | int = AllocClass.RECENT_CONTEXT) -> None:
         """The unit (and allocation class) the next written tokens belong to. Decode steps of a reply keep the

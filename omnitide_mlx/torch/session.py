@@ -35,9 +35,9 @@ class TorchSession(StreamingSession):
 
     ``model`` is a local path / Hugging Face id, or a ``(TorchQwenOmni, Processor)`` pair from
     :func:`omnitide_mlx.torch.qwen2_5_omni.load`. ``device``: ``"cuda"``, ``"cpu"``, ... (used when loading from a
-    path); ``dtype``: the model's dtype when loading (default: float32 on the CPU, the checkpoint's on CUDA);
-    ``kernel``: the cache's attention kernel (``flex`` / ``sdpa`` / ``reference``; default by device);
-    ``migration``: the OmniPage planner mode. Other arguments are the engine's.
+    path; default CUDA when available); ``dtype``: the model's dtype when loading (default: float32 on the CPU,
+    the checkpoint's on CUDA); ``kernel``: the cache's attention kernel (``flex`` / ``sdpa`` / ``reference``;
+    default by device); ``migration``: the OmniPage planner mode. Other arguments are the engine's.
     """
 
     backend = "torch"
@@ -62,7 +62,7 @@ class TorchSession(StreamingSession):
     def _load_model(self, path):
         from .qwen2_5_omni import load
 
-        return load(path, device=self.device or "cpu", dtype=self._load_dtype)
+        return load(path, device=self.device or _default_device(), dtype=self._load_dtype)
 
     def _default_kv_dtype(self, model) -> torch.dtype:
         return model.dtype
@@ -73,9 +73,9 @@ class TorchSession(StreamingSession):
         return getattr(torch, name)
 
     def _make_cache(self, spec, *, placement, page_size, subblock_size, collect_scores) -> OmniTorchCache:
-        if self.policy.layout == "omnipage":  # the engine's table comes from the class-aware layout: pick ours
-            placement, _ = make_layout("omnipage", page_size, subblock_size, migration=self.migration)
-            placement = placement.placement
+        if self.policy.layout == "omnipage":  # the engine asked for the class-aware layout's placement: use ours
+            table, _ = make_layout("omnipage", page_size, subblock_size, migration=self.migration)
+            placement = table.placement
         return OmniTorchCache.for_spec(spec, dtype=self.kv_dtype, device=self.model.device, page_size=page_size,
                                        subblock_size=subblock_size, placement=placement, kernel=self.kernel,
                                        collect_scores=collect_scores)
@@ -87,7 +87,7 @@ class TorchSession(StreamingSession):
         try:
             return self.model.step_logits(embeds, positions, self.cache)
         except BaseException:
-            if self.cache._step is not None:
+            if self.cache.in_step:
                 self.cache.abort_step()
             raise
 
@@ -130,7 +130,7 @@ class TorchSession(StreamingSession):
                 if not model:
                     raise ValueError("the saved session does not record its model; pass model=")
             model_path = str(model)
-            model = load(model, device=device or "cpu", dtype=dtype)
+            model = load(model, device=device or _default_device(), dtype=dtype)
         else:
             model_path = None
         self = super().restore(path, model=model, processor=processor, on_update=on_update)
@@ -145,6 +145,10 @@ class TorchSession(StreamingSession):
         _, self.planner = make_layout(self.policy.layout, table.page_size, table.subblock_size,
                                       migration=self.migration)
         return self
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_sampler(sampling: Sampling):

@@ -160,7 +160,8 @@ def test_save_load_round_trip_continues_identically(tmp_path, dtype):
     for la, lb in zip(a.cache.layers, b_cache.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
     b = Stream(b_cache, q_heads=4, seed=5, planner=MigrationPlanner("class_aware"))
-    b.history, b.alive, b.pos, b.next_id = History.from_json(a.history.to_json()), list(a.alive), dict(a.pos), a.next_id
+    b.history = History.from_json(a.history.to_json())
+    b.alive, b.pos, b.next_id = list(a.alive), dict(a.pos), a.next_id
     b.raw_k, b.raw_v = a.raw_k, a.raw_v
     policy = OmniPick(high=200, low=140)
     for s in (a, b):
@@ -198,7 +199,7 @@ def test_misuse_is_rejected():
         c.set_owner(1)
     with pytest.raises(CacheError, match="out of order"):
         c.update(k, k, 0)
-    assert c._step is None and c.retained == 0  # the failed step gave its slots back
+    assert not c.in_step and c.retained == 0  # the failed step gave its slots back
     with pytest.raises(CacheError, match="must be"):
         c.update(torch.randn(1, 2, 3, 32, device=DEVICE), torch.randn(1, 2, 3, 32, device=DEVICE), 0)
     assert c.retained == 0

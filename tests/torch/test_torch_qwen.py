@@ -177,8 +177,8 @@ def test_omnipick_eviction_matches_recompute_with_shifted_positions(evicted):
     for uid, u in ((6, nxt), (7, question)):
         cache.set_owner(uid)
         with torch.no_grad():
-            h = lm(inputs_embeds=u.inputs_embeds[None], position_ids=torch.as_tensor(u.positions, device=DEVICE)[:, None],
-                   cache=cache, use_cache=True)
+            pos = torch.as_tensor(u.positions, device=DEVICE)[:, None]
+            h = lm(inputs_embeds=u.inputs_embeds[None], position_ids=pos, cache=cache, use_cache=True)
             streamed.append(model.hf.lm_head(h.last_hidden_state)[0])
     prefix = torch.cat([u.inputs_embeds for u in units])
     new = torch.cat([nxt.inputs_embeds, question.inputs_embeds])

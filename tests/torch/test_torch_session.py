@@ -107,7 +107,7 @@ def test_a_failed_forward_gives_its_slots_back(torch_qwen, clip_chunks):
     bad_positions = np.zeros((3, 3), np.int64)
     with pytest.raises(RuntimeError):  # wrong hidden size: fails inside the first layer, after the step opened
         s._forward(torch.zeros(3, 7, device=s.model.device), bad_positions)
-    assert s.cache._step is None and s.cache.page_table.state() == state
+    assert not s.cache.in_step and s.cache.page_table.state() == state
     s.push(frame=clip_chunks[0][0], audio=clip_chunks[0][1], t=0.0)
 
 
