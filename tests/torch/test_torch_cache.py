@@ -244,3 +244,18 @@ def test_flex_failure_falls_back_to_sdpa_once_and_says_why(monkeypatch):
         run_session(s, OmniPick(high=200, low=140), units=6)
     assert s.cache.kernel == "sdpa" and "no flex here" in s.cache.stats()["kernel_fallback"]
     assert max_err(s) < TOL
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA allocator's peak is measured on CUDA (scripts/cuda_check.sh)")
+def test_migration_peak_cuda_memory_is_the_moved_rows():
+    c = _fragmented_cache(24, pages=64, layers=4, kv_heads=4, head_dim=128)
+    plan = MigrationPlanner("eager").plan(c.page_table)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    c.migrate(plan)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    scratch = plan.moved * c.kv_heads * c.head_dim * 4
+    buffer = c.layers[0].keys.numel() * 4
+    assert scratch <= peak <= scratch + (1 << 20) < buffer, (peak, scratch, buffer)

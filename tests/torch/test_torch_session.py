@@ -83,6 +83,16 @@ def test_save_restore_continues_with_identical_logits_and_answers(torch_qwen, cl
     assert again.cache.kernel == "reference"
 
 
+def test_a_session_loaded_from_a_path_restores_from_its_path(tiny_qwen, clip_chunks, tmp_path, device):
+    s = TorchSession(str(tiny_qwen), device=device, dtype=torch.float32, policy="fifo", high=HIGH, low=LOW)
+    s.push(frame=clip_chunks[0][0], audio=clip_chunks[0][1], t=0.0)
+    r = TorchSession.restore(s.save(tmp_path / "sess"), device=device, dtype=torch.float32)
+    assert r.model_path == str(tiny_qwen) and r.model.device.type == torch.device(device).type
+    for sess in (s, r):
+        sess.push(frame=clip_chunks[1][0], audio=clip_chunks[1][1], t=1.0)
+    assert torch.equal(s._last_logits, r._last_logits)
+
+
 def test_bad_chunks_are_rejected_before_the_cache_and_the_session_goes_on(torch_qwen, clip_chunks):
     s = TorchSession(torch_qwen, policy="omnitide", high=HIGH, low=LOW)
     s.push(frame=clip_chunks[0][0], audio=clip_chunks[0][1], t=0.0)
