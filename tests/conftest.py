@@ -26,3 +26,16 @@ def data_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def media_dir() -> pathlib.Path:
     return MEDIA
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """Tiny random checkpoints of both models in the released layout, with the real tokenizers (built once)."""
+    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint as make_minicpmo
+    from omnitide_mlx.models.qwen2_5_omni.tiny import make_tiny_checkpoint as make_qwen
+
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    return {
+        "qwen": make_qwen(root / "tiny-qwen2.5-omni", tokenizer_dir=DATA / "tokenizers/qwen2", vocab="real"),
+        "minicpmo": make_minicpmo(root / "tiny-minicpm-o-4.5", tokenizer_dir=DATA / "tokenizers/minicpm-o-4_5"),
+    }

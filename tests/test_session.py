@@ -13,22 +13,10 @@ from omnitide_mlx.session import OmniSession, parse_bytes, watermarks_for_budget
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, data_dir):
-    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint as make_minicpmo
-    from omnitide_mlx.models.qwen2_5_omni.tiny import make_tiny_checkpoint as make_qwen
-
-    root = tmp_path_factory.mktemp("ckpt")
-    return {
-        "qwen": make_qwen(root / "qwen", tokenizer_dir=data_dir / "tokenizers/qwen2", vocab="real"),
-        "minicpmo": make_minicpmo(root / "minicpmo", tokenizer_dir=data_dir / "tokenizers/minicpm-o-4_5"),
-    }
-
-
-@pytest.fixture(scope="module")
-def models(checkpoints):
+def models(tiny_checkpoints):
     from omnitide_mlx.models import load
 
-    return {name: load(path) for name, path in checkpoints.items()}
+    return {name: load(path) for name, path in tiny_checkpoints.items()}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,131 @@
+"""The omnitide CLI and the live demo run as a user would: on the bundled clip, with tiny checkpoints of both
+models, every policy; bad input gives a clear message and a non-zero exit."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
+
+
+def omnitide(*args, timeout=300):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "omnitide_mlx", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen", "minicpmo"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_stream_answers_at_the_asked_times_and_kv_stays_under_high(tiny_checkpoints, media_dir, tmp_path, model,
+                                                                    policy):
+    high, low = 420, 300
+    out = tmp_path / "out.json"
+    r = omnitide("stream", "--model", tiny_checkpoints[model], "--video", media_dir / "video_10s_av.mp4",
+                 "--seconds", 5, "--ask", "2:What colour is the background?", "--ask", "4:What did you hear?",
+                 "--policy", policy, "--high", high, "--low", low, "--max-tokens", 4, "--stats", "--json", out)
+    assert r.returncode == 0, r.stderr
+    # questions are asked when the stream reaches their time: after the updates of the seconds before it
+    lines = r.stdout.splitlines()
+    order = []
+    for ln in lines:
+        if m := re.match(r"\[(\d+(?:\.\d+)?)s\] Q:", ln):
+            order.append(("q", float(m.group(1))))
+        elif m := re.match(r"\[\s*(\d+(?:\.\d+)?)s\] media", ln):
+            order.append(("u", float(m.group(1))))
+    media_t = [t for kind, t in order if kind == "u"]
+    assert media_t == [0.0, 1.0, 2.0, 3.0, 4.0]
+    for q_time in (2.0, 4.0):
+        i = order.index(("q", q_time))
+        assert all(t < q_time for kind, t in order[:i] if kind == "u")
+        assert all(t >= q_time for kind, t in order[i + 1:] if kind == "u")
+    d = json.loads(out.read_text())
+    assert d["policy"] == policy and d["model"] == str(tiny_checkpoints[model])
+    assert [(a["t"], a["question"]) for a in d["answers"]] == [(2.0, "What colour is the background?"),
+                                                               (4.0, "What did you hear?")]
+    assert all(isinstance(a["answer"], str) for a in d["answers"])
+    for u in d["updates"]:
+        assert set(u) >= {"t", "retained_cells", "physical_span", "active_pages", "kv_bytes", "update_ms"}
+        if policy != "full":
+            assert u["retained_cells"] <= high
+    if policy == "full":
+        assert d["updates"][-1]["retained_cells"] > high
+    assert "retained cells" in r.stderr  # the KV summary
+
+
+def test_kv_budget_and_generate(tiny_checkpoints, media_dir, tmp_path):
+    out = tmp_path / "o.json"
+    r = omnitide("stream", "--model", tiny_checkpoints["minicpmo"], "--audio", media_dir / "speech_16k.wav",
+                 "--seconds", 3, "--kv-budget", "64KiB", "--ask", "3:Summarise.", "--max-tokens", 3, "--json", out)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(out.read_text())["stats"]
+    assert stats["high"] == (64 << 10) // stats["kv_bytes_per_token"]
+    img = tmp_path / "frame.png"
+    import cv2
+
+    cv2.imwrite(str(img), np.full((64, 96, 3), 200, np.uint8))
+    r = omnitide("generate", "--model", tiny_checkpoints["qwen"], "--image", img, "--audio",
+                 media_dir / "tone_440_1s_16k.wav", "--prompt", "Describe it.", "--max-tokens", 4)
+    assert r.returncode == 0, r.stderr
+    assert "Generation:" in r.stderr and "Peak memory" in r.stderr
+
+
+def test_help_lists_every_command():
+    r = omnitide("--help")
+    assert r.returncode == 0
+    for cmd in ["stream", "generate", "convert", "simulate", "bench"]:
+        assert cmd in r.stdout
+    r = omnitide("stream", "--help")
+    assert "--kv-budget" in r.stdout and "--temp" in r.stdout and "T:QUESTION" in r.stdout
+
+
+def test_bad_inputs_exit_non_zero_with_a_clear_message(tiny_checkpoints, media_dir, tmp_path):
+    qwen = tiny_checkpoints["qwen"]
+    video = media_dir / "video_10s_av.mp4"
+    junk = tmp_path / "junk.mp4"
+    junk.write_bytes(bytes(range(256)) * 50)
+    noise = tmp_path / "noise.wav"
+    noise.write_bytes(b"RIFF not really a wav file")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    from safetensors.numpy import load_file, save_file
+
+    for f in qwen.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(qwen / "model.safetensors"))
+    weights.pop(next(k for k in weights if k.endswith("mlp.down_proj.weight")))
+    save_file(weights, str(broken / "model.safetensors"))
+    cases = [
+        (["--model", qwen, "--video", tmp_path / "missing.mp4"], "does not exist"),
+        (["--model", qwen, "--video", junk], "junk.mp4"),
+        (["--model", qwen, "--audio", noise], "noise.wav"),
+        (["--model", "nobody/no-such-omni-model", "--video", video], "no-such-omni-model"),
+        (["--model", broken, "--video", video, "--seconds", 1], "missing keys"),
+        (["--model", qwen, "--video", video, "--ask", "soon:what?"], "T:QUESTION"),
+    ]
+    for args, message in cases:
+        r = omnitide("stream", *args)
+        assert r.returncode != 0, (args, r.stdout)
+        assert message in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_live_demo_runs_headless_on_a_file(tiny_checkpoints, media_dir):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = ["--model", tiny_checkpoints["minicpmo"], "--source", media_dir / "video_10s_av.mp4", "--seconds", 3,
+            "--no-realtime", "--ask", "2:What do you see?", "--max-tokens", 4, "--high", 200, "--low", 120]
+    r = subprocess.run([sys.executable, "examples/live_demo.py", *map(str, args)],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert "Q: What do you see?" in r.stdout
+    assert r.stderr.count("kv ") >= 3  # the live KV footprint, one line per update
+    assert "evictions" in r.stderr
