@@ -1,0 +1,195 @@
+"""Shape-true models for ``omnitide bench stream``: the ports' own LanguageModel classes at the real per-layer
+shapes, random weights, fewer layers, fed units of random embeddings laid out like the model's real units.
+
+Why this is enough to time a streaming update: the cost of one update depends on the shapes (hidden size, heads,
+KV heads, head_dim, intermediate size), the chunk length and the keys each query visits, never on the weights or
+the values in the cache. Layers repeat, so per-layer cost ratios are what matter: the benchmark runs ``layers``
+of them (default 1) and says so. The vocabulary is reduced (default 4096): a streaming prefill computes logits for
+the last position only, so the real vocabulary would only add memory, and its cost is counted in ``flops``.
+
+``ShapeTrueModel`` is what ``OmniSession`` needs from a model (``language_model``, ``kv_spec()``,
+``stream_adapter()``, ``dtype``); ``RandomUnitAdapter`` turns a second of camera + microphone into the profile's
+media unit (core/profiles.py: paper table 1's token counts, typed spans, TMRoPE or 1-D positions) with random
+embeddings drawn once and reused, so no encoder runs (their cost does not depend on the retention policy) and
+"input processing" is the engine's own validation and unit assembly. Questions carry one text token per word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.profiles import ModelProfile, get_profile
+from ..core.units import SpanKind, UnitKind
+from ..models.base import KVSpec, PreparedUnit, StreamAdapter, spans_from_runs, text_positions
+from ..rope import RopeSpec
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The language model's real shape (from the released configs, shared/reference/)."""
+
+    name: str
+    family: str  # "qwen2_5_omni" (Qwen2 decoder, q/k/v biases, M-RoPE) or "minicpmo" (Qwen3: q/k norms, 1-D RoPE)
+    layers: int
+    hidden: int
+    intermediate: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rope_theta: float = 1e6
+
+    def linear_macs_per_token(self) -> int:
+        """Multiply-adds of one token through one layer's projections and MLP (norms, RoPE, biases left out)."""
+        q = self.q_heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 3 * self.hidden * self.intermediate
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in ("name", "family", "layers", "hidden", "intermediate", "q_heads",
+                                               "kv_heads", "head_dim", "vocab", "rope_theta")}
+
+
+SHAPES: dict[str, ModelShape] = {
+    "qwen2.5-omni-3b": ModelShape("qwen2.5-omni-3b", "qwen2_5_omni", 36, 2048, 11008, 16, 2, 128, 151936),
+    "qwen2.5-omni-7b": ModelShape("qwen2.5-omni-7b", "qwen2_5_omni", 28, 3584, 18944, 28, 4, 128, 152064),
+    "minicpm-o-4.5": ModelShape("minicpm-o-4.5", "minicpmo", 36, 4096, 12288, 32, 8, 128, 151748),
+    # for the CI smoke test only: a small Qwen3-style model with MiniCPM-style units (seconds, not minutes)
+    "tiny": ModelShape("tiny", "minicpmo", 2, 64, 128, 4, 2, 16, 256, 1e4),
+}
+
+# the tiny shape's units: a 32-token image source, 2 slices of 16, 4 audio tokens (70 tokens a second)
+TINY_PROFILE = ModelProfile(
+    name="tiny", display="tiny (CI)", layers=2, kv_heads=2, head_dim=16, rope_axes=1, family="minicpmo",
+    image_tokens=64, audio_tokens_per_s=4, slice_grid=(1, 2), slice_tokens=16, source_tokens=32, system_tokens=8,
+    high=200, low=140, pick={"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2,
+                             "text_budget": 32},
+    notes="benchmark smoke tests only")
+
+
+def profile_for(shape: str) -> ModelProfile:
+    return TINY_PROFILE if shape == "tiny" else get_profile(shape)
+
+
+def update_flops(shape: ModelShape, layers: int, vocab: int, chunk: int, keys_visited: float) -> float:
+    """FLOPs of one prefill of ``chunk`` tokens: per layer the projections and MLP (2 x MACs x tokens) and attention
+    (QK^T and PV: 4 x q_heads x head_dim x the keys each query visits, summed over queries), plus the logits of
+    the last position."""
+    linear = 2.0 * shape.linear_macs_per_token() * chunk
+    attention = 4.0 * shape.q_heads * shape.head_dim * keys_visited
+    return layers * (linear + attention) + 2.0 * shape.hidden * vocab
+
+
+class ShapeTrueModel:
+    """A port's LanguageModel at a real shape with random float32 weights; what OmniSession needs of a model."""
+
+    def __init__(self, shape: str, layers: int = 1, vocab: int = 4096, seed: int = 0, dtype=mx.float32):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+        if layers < 1 or vocab < 16:
+            raise ValueError("layers must be >= 1 and vocab >= 16")
+        self.real = SHAPES[shape]
+        self.shape = replace(self.real, layers=layers, vocab=vocab)
+        self.profile = profile_for(shape)
+        self.dtype = dtype
+        mx.random.seed(seed)
+        s = self.shape
+        if s.family == "qwen2_5_omni":
+            from ..models.qwen2_5_omni.config import TextConfig
+            from ..models.qwen2_5_omni.language import LanguageModel
+
+            cfg = TextConfig(vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                             num_hidden_layers=layers, num_attention_heads=s.q_heads, num_key_value_heads=s.kv_heads,
+                             head_dim=s.head_dim, rope_theta=s.rope_theta)
+            self.language_model = LanguageModel(cfg, tie_word_embeddings=False)
+            self.position_axes = 3
+        else:
+            from ..models.minicpmo.config import TextConfig
+            from ..models.minicpmo.language import LanguageModel
+
+            cfg = TextConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=layers,
+                             num_attention_heads=s.q_heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                             vocab_size=vocab, rope_theta=s.rope_theta)
+            self.language_model = LanguageModel(cfg)
+            self.position_axes = 1
+        self.language_model.set_dtype(dtype)
+        mx.eval(self.language_model.parameters())
+
+    @property
+    def nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(p.nbytes for _, p in tree_flatten(self.language_model.parameters()))
+
+    def kv_spec(self) -> KVSpec:
+        s = self.shape
+        return KVSpec(num_layers=s.layers, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                      rope=RopeSpec(s.head_dim, s.rope_theta, traditional=False), position_axes=self.position_axes)
+
+    def stream_adapter(self, processor=None) -> "RandomUnitAdapter":
+        return RandomUnitAdapter(self)
+
+
+class RandomUnitAdapter(StreamAdapter):
+    """Units with the profile's layout and random embeddings (drawn once per length and reused)."""
+
+    sample_rate = 16000
+
+    def __init__(self, model: ShapeTrueModel):
+        self.model = model
+        self.profile = model.profile
+        self.kv_spec = model.kv_spec()
+        self.stop_token_ids = frozenset()  # replies run to max_tokens: the stream decides their length
+        self._pool: dict[int, mx.array] = {}
+        self._rng = np.random.default_rng(1234)
+
+    def embeddings(self, n: int) -> mx.array:
+        """``[n, hidden]`` random embeddings of unit-like scale (evaluated once, reused)."""
+        if n not in self._pool:
+            x = self._rng.standard_normal((n, self.model.shape.hidden), dtype=np.float32)
+            self._pool[n] = mx.array(x).astype(self.model.dtype)
+            mx.eval(self._pool[n])
+        return self._pool[n]
+
+    def _prepared(self, kind: UnitKind, spans, positions: np.ndarray, t=None, label="") -> PreparedUnit:
+        n = int(positions.shape[1])
+        return PreparedUnit(kind=kind, input_ids=np.zeros(n, dtype=np.int32), inputs_embeds=self.embeddings(n),
+                            spans=list(spans), positions=positions, t=t, label=label)
+
+    def system_unit(self, prompt: str | None, start: int) -> PreparedUnit:
+        u = self.profile.system_unit(0)
+        return self._prepared(UnitKind.SYSTEM, u.spans, u.positions + start, label="system")
+
+    def media_unit(self, frame, audio, t, start: int) -> PreparedUnit:
+        u = self.profile.media_unit(0, start, t)
+        return self._prepared(UnitKind.MEDIA, u.spans, u.positions, t=t, label="av")
+
+    def _text_runs(self, n: int) -> list[tuple[SpanKind, int]]:
+        if self.profile.family == "qwen2_5_omni":  # text, <|im_end|>\n<|im_start|>assistant\n
+            return [(SpanKind.TEXT, n), (SpanKind.BOUNDARY, 5)]
+        # <unit> text </unit>, then the reply's opening <unit><|speak|> (the engine's reply unit has no prefix)
+        return [(SpanKind.BOUNDARY, 1), (SpanKind.TEXT, n), (SpanKind.BOUNDARY, 3)]
+
+    def user_unit(self, text: str, start: int) -> PreparedUnit:
+        runs = self._text_runs(len(text.split()))
+        n = sum(k for _, k in runs)
+        return self._prepared(UnitKind.USER, spans_from_runs(runs), text_positions(start, n, self.kv_spec.position_axes),
+                              label=text[:40])
+
+    def context_unit(self, text: str, start: int) -> PreparedUnit:
+        n = len(text.split())
+        return self._prepared(UnitKind.USER, spans_from_runs([(SpanKind.TEXT, n)]),
+                              text_positions(start, n, self.kv_spec.position_axes), label=text[:40])
+
+    def embed_tokens(self, ids) -> mx.array:
+        return self.model.language_model.embed_tokens(mx.array(np.asarray(ids, dtype=np.int32)))
+
+    def finish_reply(self, generated: list[int], stopped: bool) -> list[int]:
+        closing = 5 if self.profile.family == "qwen2_5_omni" else 2  # <|im_end|>\n<|im_start|>user\n / </unit>
+        return [0] * closing
+
+    def decode(self, ids) -> str:
+        return " ".join(f"t{int(i)}" for i in ids)
