@@ -19,7 +19,6 @@ under the model's name) is written too, so that ``count.py`` can be run on it.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections import defaultdict
@@ -95,7 +94,7 @@ def _entries(task: str, data, path: Path):
             yield [i], e
 
 
-def _question(task: str, q: dict, where: list[int], entry_time, path: Path) -> SBQuestion:
+def _question(task: str, q: dict, where: list[int], path: Path) -> SBQuestion:
     at = f"{path.name} entry {where[:-1]} question {where[-1]}"
     out = SBQuestion(task=task, task_type=str(q.get("task_type", task)), where=where,
                      question=require(q, "question", str, at), time=parse_hms(require(q, "time_stamp", str, at), at))
@@ -127,7 +126,7 @@ def load(data: Path, videos: Path | None = None, tasks: list[str] | None = None)
             if key not in items:
                 items[key] = SBItem(id=f"{task}:{ref}", video_ref=ref, video=finder.find(ref, path.parent), task=task)
             for k, q in enumerate(questions):
-                items[key].questions.append(_question(task, q, prefix + [k], entry.get("time"), path))
+                items[key].questions.append(_question(task, q, prefix + [k], path))
     for item in items.values():
         item.questions.sort(key=lambda q: q.time)
     if not items:
@@ -243,7 +242,7 @@ def write_official(setting_dir: Path, data: Path, tasks: list[str] | None, recor
     for item in records:
         by_task[item["task"]] += item["questions"]
     for task, path in find_files(data, tasks).items():
-        raw = copy.deepcopy(json.loads(path.read_text(encoding="utf-8")))
+        raw = json.loads(path.read_text(encoding="utf-8"))
         for q in by_task.get(task, []):
             node = raw
             for i in q["where"][:-1]:
