@@ -83,6 +83,23 @@ def update_flops(shape: ModelShape, layers: int, vocab: int, chunk: int, keys_vi
     return layers * (linear + attention) + 2.0 * shape.hidden * vocab
 
 
+def question_runs(family: str, n: int) -> list[tuple[SpanKind, int]]:
+    """A question of ``n`` text tokens with the tokens that open the reply (core/profiles.py's chat framing)."""
+    if family == "qwen2_5_omni":  # text <|im_end|>\n<|im_start|>assistant\n
+        return [(SpanKind.TEXT, n), (SpanKind.BOUNDARY, 5)]
+    # <unit> text </unit>, then the reply's opening <unit><|speak|> (the engine's reply unit has no prefix)
+    return [(SpanKind.BOUNDARY, 1), (SpanKind.TEXT, n), (SpanKind.BOUNDARY, 3)]
+
+
+def question_tokens(family: str, n: int) -> int:
+    return sum(k for _, k in question_runs(family, n))
+
+
+def reply_closing_tokens(family: str) -> int:
+    """Boundary tokens after a reply: <|im_end|>\n<|im_start|>user\n (Qwen) or </unit> (MiniCPM-o)."""
+    return 5 if family == "qwen2_5_omni" else 2
+
+
 class ShapeTrueModel:
     """A port's LanguageModel at a real shape with random float32 weights; what OmniSession needs of a model."""
 
@@ -117,12 +134,10 @@ class ShapeTrueModel:
             self.position_axes = 1
         self.language_model.set_dtype(dtype)
         mx.eval(self.language_model.parameters())
-
-    @property
-    def nbytes(self) -> int:
         from mlx.utils import tree_flatten
 
-        return sum(p.nbytes for _, p in tree_flatten(self.language_model.parameters()))
+        self.weights_bytes = sum(p.nbytes for _, p in tree_flatten(self.language_model.parameters()))
+
 
     def kv_spec(self) -> KVSpec:
         s = self.shape
@@ -167,14 +182,8 @@ class RandomUnitAdapter(StreamAdapter):
         u = self.profile.media_unit(0, start, t)
         return self._prepared(UnitKind.MEDIA, u.spans, u.positions, t=t, label="av")
 
-    def _text_runs(self, n: int) -> list[tuple[SpanKind, int]]:
-        if self.profile.family == "qwen2_5_omni":  # text, <|im_end|>\n<|im_start|>assistant\n
-            return [(SpanKind.TEXT, n), (SpanKind.BOUNDARY, 5)]
-        # <unit> text </unit>, then the reply's opening <unit><|speak|> (the engine's reply unit has no prefix)
-        return [(SpanKind.BOUNDARY, 1), (SpanKind.TEXT, n), (SpanKind.BOUNDARY, 3)]
-
     def user_unit(self, text: str, start: int) -> PreparedUnit:
-        runs = self._text_runs(len(text.split()))
+        runs = question_runs(self.profile.family, len(text.split()))
         n = sum(k for _, k in runs)
         return self._prepared(UnitKind.USER, spans_from_runs(runs), text_positions(start, n, self.kv_spec.position_axes),
                               label=text[:40])
@@ -188,8 +197,7 @@ class RandomUnitAdapter(StreamAdapter):
         return self.model.language_model.embed_tokens(mx.array(np.asarray(ids, dtype=np.int32)))
 
     def finish_reply(self, generated: list[int], stopped: bool) -> list[int]:
-        closing = 5 if self.profile.family == "qwen2_5_omni" else 2  # <|im_end|>\n<|im_start|>user\n / </unit>
-        return [0] * closing
+        return [0] * reply_closing_tokens(self.profile.family)
 
     def decode(self, ids) -> str:
         return " ".join(f"t{int(i)}" for i in ids)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "benchmarks: 'attention' (dense vs tile-skip attention on the OmniPick layouts)"
+HELP = ("benchmarks: 'attention' (dense vs tile-skip attention on the OmniPick layouts), 'stream' (the stream loop "
+        "on shape-true models, every policy and mlx-lm's caches)")
 DESCRIPTION = """Run a benchmark; each writes JSON (--json) and a plot (--plot).
 
 example:
   omnitide bench attention --shape qwen2.5-omni-7b --history 4096,8192,16384,32768,65536 --json out.json --plot out.png
   omnitide bench attention --backend torch --device cuda --dtype float16 --history 4096,8192,16384,32768 --json t.json
+  omnitide bench stream --shape qwen2.5-omni-3b --checkpoints 4096,8192,16384,32768 --json out.json --plot out.png
 """
 
 

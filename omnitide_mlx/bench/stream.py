@@ -1,0 +1,996 @@
+"""``omnitide bench stream``: the streaming engine end to end on shape-true models (paper 7.1-7.4 metrics).
+
+One process, one model (the port's LanguageModel at the real per-layer shape, random float32 weights, ``--layers``
+of them: bench/shape_models.py), and ten variants of the engine driving it:
+
+- the engine (``OmniSession``, OmniCache, tile-skip attention) under every retention policy / layout: ``full``
+  (no-slide), ``fifo`` (unit FIFO), ``token`` (token sliding), ``streamingllm``, ``h2o``, ``omnipick`` (native
+  layout), ``omnitide`` (OmniPick + OmniPage), ``eager`` (OmniPick + compaction after every eviction);
+- mlx-lm's own ``KVCache`` (``mlx_kvcache``) and ``RotatingKVCache`` (``mlx_rotating``: ``max_size`` = the high
+  watermark, ``keep=4`` as ``make_prompt_cache`` builds it) driving the same model through mlx-lm's cache protocol
+  and ``mx.fast.scaled_dot_product_attention``, prefilling in steps of 2048 tokens as mlx-lm's ``generate_step``
+  does.
+
+Three measurements:
+
+1. **Updates at no-slide checkpoints** (paper figure 10). For each checkpoint (the no-slide history reaching 4K ..
+   32K tokens) every variant is put in the state it would have then: the core simulator streams the same units
+   through the same policy, and the cache gets that page table and history with *synthetic* K/V of the right shape
+   (random values: an update's cost does not depend on them). Rows say ``"synthetic_kv": true``. Then one update is
+   timed: ``session.push`` of the next second of input (input validation, unit assembly, prefill of the media unit
+   with last-position logits, retention, eviction with re-rotation, migration). The state is restored before each
+   repetition; variants take turns round by round so they see the same machine state. Attention is profiled
+   apart (the paper profiles kernels separately): from the same state, each layer's ``attend`` (write the step's
+   K/V, tile-skip attention; for H2O with its scores) or, for mlx-lm, ``update_and_fetch`` plus SDPA, timed after
+   ``mx.eval`` of its inputs and outputs.
+2. **Whole sessions** (paper table 3, figure 13): every variant streams the same session from its system prompt
+   (excluded, as in the paper) - one unit a second, a question every ``question_every`` seconds answered by
+   greedy decoding of the stream's reply length - taking turns event by event. ``session_s`` sums the events'
+   wall time (input, prefill, answers, maintenance); no synthetic state.
+3. **Attention under identical retention** (paper figure 15): the same session again for OmniPick over the native
+   layout, OmniPage and eager, with every ``attend`` and every migration timed (profiled run; not used for
+   ``session_s``).
+
+FLOP-count limit of a row: full-context update FLOPs over its own (shape, chunk, and the keys each query visits:
+for the engine the 64-slot tiles that hold a key visible to it, holes included; for mlx-lm's SDPA every key,
+since its CPU fallback computes the whole score matrix). Key-count limit: the same for attention keys alone.
+``ratio_to_limit`` = measured speedup over ``full`` / limit. Memory per row: model weights + the variant's KV
+buffers + what the update allocated above the memory in use before it (MLX's active-memory peak), i.e. the peak
+of a process that held only this variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache import DECODE_MAX_TOKENS, OmniCache, OmniLayerCache
+from ..core.page import AllocClass, PageTable
+from ..core.pick import make_policy
+from ..core.profiles import StreamSpec
+from ..core.sim import Simulator
+from ..core.units import History
+from ..engine import SessionCounters
+from ..session import OmniSession
+from .common import Timing, load_average, versions
+from .shape_models import SHAPES, ShapeTrueModel, question_tokens, reply_closing_tokens, update_flops
+
+HELP = "stream-loop benchmark: update latency, attention, maintenance, sessions and memory for every policy"
+DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
+example:
+  omnitide bench stream --shape qwen2.5-omni-3b --checkpoints 4096,8192,16384,32768 --json out.json --plot out.png
+"""
+
+ENGINE_POLICIES = ("full", "fifo", "token", "streamingllm", "h2o", "omnipick", "omnitide", "eager")
+MLX_LM_VARIANTS = ("mlx_kvcache", "mlx_rotating")
+VARIANTS = ENGINE_POLICIES + MLX_LM_VARIANTS
+LAYOUT_TRIO = ("omnipick", "omnitide", "eager")  # identical retention, native / OmniPage / eager layouts
+MLX_LM_PREFILL_STEP = 2048  # mlx_lm.generate.generate_step's prefill_step_size
+MLX_LM_KEEP = 4  # mlx_lm.models.cache.make_prompt_cache: RotatingKVCache(max_size, keep=4)
+
+RATIO_GOAL = 0.9
+OMNIPAGE_GOAL = 0.885  # paper 7.4.2: OmniPage captures 88.5 % of eager's prefill-attention reduction
+MAINTENANCE_GOAL = 0.02  # maintenance under 2 % of stream-loop time
+# paper figure 10 (CUDA, 32K checkpoint): full-context and OmniTide update latency, ms
+PAPER_UPDATE_32K = {"qwen2.5-omni-3b": (429.0, 192.0), "qwen2.5-omni-7b": (535.0, 234.0),
+                    "minicpm-o-4.5": (268.0, 203.0)}
+# paper table 3 (CUDA): mean session latency no-slide / OmniTide, s
+PAPER_SESSION = {"qwen2.5-omni-3b": (40.33, 17.61), "qwen2.5-omni-7b": (51.71, 21.52)}
+# paper table 2: StreamingBench accuracy (%) per policy (real weights; not measured here, figure 13's y axis)
+PAPER_ACCURACY = {
+    "qwen2.5-omni-3b": {"full": 62.3, "fifo": 58.1, "token": 56.2, "streamingllm": 59.6, "h2o": 55.8,
+                        "omnitide": 62.8},
+    "qwen2.5-omni-7b": {"full": 52.0, "fifo": 49.8, "token": 47.8, "streamingllm": 50.5, "h2o": 47.0,
+                        "omnitide": 52.4},
+    "minicpm-o-4.5": {"full": 74.1, "fifo": 69.0, "token": 57.0, "streamingllm": 70.1, "h2o": 52.7,
+                      "omnitide": 75.0},
+}
+
+_FRAME = np.zeros((28, 28, 3), dtype=np.uint8)  # validated by the engine, then ignored by the random-unit adapter
+_SECOND = np.zeros(16000, dtype=np.float32)
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+# --- the engine, with optional attention profiling ------------------------------------------------------------
+
+class ProfiledLayerCache(OmniLayerCache):
+    """``attend`` timed between evaluated inputs and evaluated output (profiled runs only)."""
+
+    def attend(self, q, k, v, scale):
+        mx.eval(q, k, v)
+        t0 = time.perf_counter()
+        out = super().attend(q, k, v, scale)
+        mx.eval(out)
+        self._parent.record_attention(q.shape[2], time.perf_counter() - t0)
+        return out
+
+
+class ProfiledOmniCache(OmniCache):
+    """OmniCache that adds up attention time (prefill / decode steps apart) and migration time."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.layers = [ProfiledLayerCache(self, i) for i in range(self.num_layers)]
+        self.attention_s = {"prefill": 0.0, "decode": 0.0}
+        self.migration_s = 0.0
+
+    def record_attention(self, tokens: int, seconds: float) -> None:
+        self.attention_s["decode" if tokens <= DECODE_MAX_TOKENS else "prefill"] += seconds
+
+    def migrate(self, plan) -> int:
+        t0 = time.perf_counter()
+        moved = super().migrate(plan)
+        mx.synchronize()
+        self.migration_s += time.perf_counter() - t0
+        return moved
+
+
+class BenchSession(OmniSession):
+    """OmniSession that remembers the physical span right after each prefill (the span attention walked before
+    maintenance: the peak span counts it), optionally over a ProfiledOmniCache."""
+
+    def __init__(self, model, *, profiled: bool = False, **kw):
+        self.profiled = profiled
+        self.prefill_span = 0
+        self.peak_span = 0
+        super().__init__(model, **kw)
+
+    def _make_cache(self, spec, *, placement, page_size, subblock_size, collect_scores):
+        cls = ProfiledOmniCache if self.profiled else OmniCache
+        return cls.for_spec(spec, dtype=self.kv_dtype, page_size=page_size, subblock_size=subblock_size,
+                            placement=placement, collect_scores=collect_scores)
+
+    def _prefill(self, prepared, alloc_class=AllocClass.RECENT_CONTEXT):
+        uid = super()._prefill(prepared, alloc_class)
+        self.prefill_span = self.cache.page_table.stats().physical_span
+        self.peak_span = max(self.peak_span, self.prefill_span)
+        return uid
+
+
+def tile_keys_visited(table: PageTable, slots: np.ndarray, tile: int) -> tuple[int, int]:
+    """(active slots, keys visited summed over the step's queries): a query reads every slot of each active tile
+    that holds a key visible to it (holes included), as a tile-skipping kernel does."""
+    seq = table.seq
+    tiles = table.active_pages() if tile == table.page_size else table.active_subblocks()
+    key = np.where(seq < 0, np.iinfo(np.int64).max, seq).reshape(-1, tile)[tiles]
+    tile_min = np.sort(key.min(axis=1))
+    visible = np.searchsorted(tile_min, seq[slots], side="right")
+    return int(tiles.size * tile), int(visible.sum() * tile)
+
+
+@dataclass
+class Probe:
+    """One attention profile of an update (all layers)."""
+
+    wall_ms: float
+    cpu_ms: float
+    active_slots: int
+    keys_visited: int
+
+
+class EngineVariant:
+    """The engine under one retention policy / layout."""
+
+    kind = "engine"
+
+    def __init__(self, name: str, model: ShapeTrueModel, profiled: bool = False):
+        self.name = name
+        self.model = model
+        self.policy = make_policy(name, profile=model.profile)
+        self.session = BenchSession(model, policy=self.policy, profiled=profiled)  # system prompt prefilled here
+        self.spec = self.session.adapter.kv_spec
+        self._state = None
+
+    # streaming
+    def media(self, t: float) -> None:
+        self.session.push(frame=_FRAME, audio=_SECOND, t=t)
+
+    def ask(self, n_question: int, n_reply: int) -> None:
+        "".join(self.session.ask(" ".join(["w"] * n_question), max_tokens=n_reply))
+
+    def counters(self) -> dict:
+        c = self.session.counters
+        return {"prefill_ms": c.prefill_ms, "decode_ms": c.decode_ms, "maintenance_ms": c.maintenance_ms,
+                "decoded_tokens": c.decoded_tokens, "evictions": c.evictions, "migrations": c.migrations,
+                "migrated_cells": c.migrated_cells}
+
+    def layout(self) -> dict:
+        s = self.session.cache.page_table.stats()
+        return {"retained_cells": s.retained_cells, "physical_span": s.physical_span,
+                "active_pages": s.active_pages, "active_subblocks": s.active_subblocks,
+                "kv_bytes": self.session.cache.nbytes, "peak_span": max(self.session.peak_span, s.physical_span),
+                "prefill_span": self.session.prefill_span}
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.session.cache.nbytes
+
+    # checkpoint state
+    def install(self, table: PageTable, history: History, peak_span: int, rng: np.random.Generator) -> None:
+        """Put the session in the state the simulator reached: this page table and history, synthetic K/V."""
+        cache = self.session.cache
+        cap = table.capacity
+        shape = (1, self.spec.kv_heads, cap, self.spec.head_dim)
+        arrays = {}
+        for i in range(self.spec.num_layers):
+            for part in ("keys", "values"):
+                arrays[f"layers.{i}.{part}"] = mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(
+                    cache.dtype)
+        ts = table.state()
+        for name in ("slots", "seq", "unit", "cls"):
+            arrays[f"table.{name}"] = mx.array(np.asarray(ts[name], dtype=np.int32))
+        if cache.collect_scores:  # H2O: accumulated attention per slot (any values; retained slots only)
+            arrays["scores"] = mx.array(np.where(table.seq >= 0, rng.gamma(0.3, size=cap), 0.0).astype(np.float32))
+        mx.eval(list(arrays.values()))
+        meta = dict(cache.meta_state, capacity=cap, evictions=0, moved_rows=0, rotated_rows=0,
+                    table={k: ts[k] for k in ("page_size", "subblock_size", "placement", "capacity", "next_seq",
+                                              "partial")})
+        self._state = (arrays, meta, list(history.units), peak_span)
+        self.restore()
+
+    def restore(self) -> None:
+        arrays, meta, units, peak_span = self._state
+        s = self.session
+        s.cache = type(s.cache).from_state(arrays, meta)
+        s.history = History(list(units))
+        s.counters = SessionCounters()
+        s.records = []
+        s._last_logits = None
+        s.peak_span = peak_span
+
+    def release(self) -> None:
+        self._state = None
+
+    def probe_attention(self, chunk: int, qkv: tuple) -> Probe:
+        """Time every layer's ``attend`` for the next media unit's prefill from the current state (then
+        ``end_step``, which for H2O evaluates the step's scores). Leaves the step committed: restore() after."""
+        s = self.session
+        cache = s.cache
+        cache.set_owner(s.history.next_uid())
+        slots = cache.begin_step(chunk)
+        mx.eval([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+        active, visited = tile_keys_visited(cache.page_table, slots, cache.page_table.page_size)
+        q, k, v = qkv
+        scale = self.spec.head_dim ** -0.5
+        t0, c0 = _now()
+        for layer in cache.layers:
+            mx.eval(layer.attend(q, k, v, scale))
+        cache.end_step()
+        t1, c1 = _now()
+        return Probe((t1 - t0) * 1000, (c1 - c0) * 1000, active, visited)
+
+
+class MlxLmVariant:
+    """The same model and units through mlx-lm's ``KVCache`` or ``RotatingKVCache`` (no retention of ours)."""
+
+    kind = "mlx_lm"
+
+    def __init__(self, name: str, model: ShapeTrueModel, max_size: int):
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        self.name = name
+        self.model = model
+        self.lm = model.language_model
+        self.adapter = model.stream_adapter()
+        self.spec = self.adapter.kv_spec
+        self.max_size = max_size
+        if name == "mlx_kvcache":
+            self.make = KVCache
+        elif name == "mlx_rotating":
+            self.make = lambda: RotatingKVCache(max_size=max_size, keep=MLX_LM_KEEP)
+        else:
+            raise ValueError(name)
+        self.caches = [self.make() for _ in range(self.spec.num_layers)]
+        self.next_position = 0
+        self.next_uid = 0
+        self.tokens = 0  # every token ever fed
+        self._counters = SessionCounters()
+        self.peak_span = 0
+        self.prefill_span = 0
+        self._state = None
+        self._prefill(self.adapter.system_unit(None, 0))
+        self._counters = SessionCounters()  # the system prompt does not count
+
+    def _positions(self, positions: np.ndarray, a: int, b: int) -> mx.array:
+        p = positions[:, a:b]
+        return mx.array(p if p.shape[0] > 1 else p[0])
+
+    def _forward(self, embeds: mx.array, positions: np.ndarray) -> mx.array:
+        """Prefill in mlx-lm's steps, evaluating the caches after each as generate_step does, and each step's
+        output too: generate_step discards it, so MLX never computes the last layer's attention and MLP for any
+        step but the last - 1/36 of a step's work in the real 3B model, all of it in a 1-layer benchmark model,
+        which would make per-layer cost ratios meaningless. Returns the last position's logits."""
+        n = embeds.shape[0]
+        logits = None
+        for a in range(0, n, MLX_LM_PREFILL_STEP):
+            b = min(n, a + MLX_LM_PREFILL_STEP)
+            logits = self.lm(embeds[a:b][None], self.caches, self._positions(positions, a, b), last_only=True)
+            mx.eval(logits, [c.state for c in self.caches])
+        return logits[0, -1]
+
+    def _prefill(self, prepared) -> mx.array:
+        t0 = time.perf_counter()
+        out = self._forward(prepared.inputs_embeds, prepared.positions)
+        self._counters.prefill_ms += (time.perf_counter() - t0) * 1000
+        self._advance(prepared.positions)
+        self._counters.units += 1
+        self.prefill_span = self.caches[0].keys.shape[2]
+        self.peak_span = max(self.peak_span, self.prefill_span)
+        return out
+
+    def _advance(self, positions: np.ndarray) -> None:
+        self.next_position = max(self.next_position, int(positions.max()) + 1)
+        self.next_uid += 1
+        self.tokens += int(positions.shape[1])
+
+    def media(self, t: float) -> None:
+        self._prefill(self.adapter.media_unit(_FRAME, _SECOND, t, self.next_position))
+
+    def ask(self, n_question: int, n_reply: int) -> None:
+        logits = self._prefill(self.adapter.user_unit(" ".join(["w"] * n_question), self.next_position))
+        start = self.next_position
+        t0 = time.perf_counter()
+        generated = []
+        for i in range(n_reply):
+            token = int(mx.argmax(logits).item())
+            generated.append(token)
+            pos = np.full((self.spec.position_axes, 1), start + i, dtype=np.int64)
+            logits = self.lm(self.adapter.embed_tokens([token])[None], self.caches, self._positions(pos, 0, 1),
+                             last_only=True)[0, -1]
+            mx.async_eval(logits)
+            self.adapter.decode(generated)
+        mx.eval(logits)
+        self._counters.decode_ms += (time.perf_counter() - t0) * 1000
+        self._counters.decoded_tokens += n_reply
+        closing = self.adapter.finish_reply(generated, False)
+        pos = np.broadcast_to(np.arange(start + n_reply, start + n_reply + len(closing)),
+                              (self.spec.position_axes, len(closing)))
+        t0 = time.perf_counter()
+        self._forward(self.adapter.embed_tokens(closing), np.ascontiguousarray(pos))
+        self._counters.prefill_ms += (time.perf_counter() - t0) * 1000
+        self._advance(np.arange(start, start + n_reply + len(closing))[None])
+
+    def counters(self) -> dict:
+        c = self._counters
+        return {"prefill_ms": c.prefill_ms, "decode_ms": c.decode_ms, "maintenance_ms": 0.0,
+                "decoded_tokens": c.decoded_tokens, "evictions": 0, "migrations": 0, "migrated_cells": 0}
+
+    def layout(self) -> dict:
+        c = self.caches[0]
+        stored = int(c.keys.shape[2]) if c.keys is not None else 0
+        held = min(stored, c.offset)  # RotatingKVCache holds up to max_size - 1 + the last chunk's tokens
+        return {"retained_cells": held, "physical_span": held, "active_pages": None,
+                "active_subblocks": None, "kv_bytes": self.kv_bytes, "peak_span": self.peak_span,
+                "prefill_span": self.prefill_span}
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.keys.nbytes + c.values.nbytes for c in self.caches if c.keys is not None)
+
+    # checkpoint state
+    def install(self, full_tokens: int, last_unit: int, next_position: int, rng: np.random.Generator) -> None:
+        """The cache after streaming ``full_tokens`` tokens, the last update ``last_unit`` long (synthetic K/V)."""
+        self.caches = [self.make() for _ in range(self.spec.num_layers)]
+        shape = (1, self.spec.kv_heads)
+        for c in self.caches:
+            for n in (full_tokens - last_unit, last_unit):
+                k = mx.array(rng.standard_normal(shape + (n, self.spec.head_dim), dtype=np.float32))
+                v = mx.array(rng.standard_normal(shape + (n, self.spec.head_dim), dtype=np.float32))
+                c.update_and_fetch(k, v)
+            mx.eval(c.keys, c.values)
+        self.next_position = next_position
+        self._state = ([c.state for c in self.caches], next_position, full_tokens)
+        self.peak_span = int(self.caches[0].keys.shape[2])
+        self.restore()
+
+    def restore(self) -> None:
+        states, self.next_position, self.tokens = self._state
+        for c, st in zip(self.caches, states):
+            c.state = st
+        self._counters = SessionCounters()
+        self.peak_span = int(states[0][0].shape[2])
+
+    def release(self) -> None:
+        self._state = None
+        self.caches = [self.make() for _ in range(self.spec.num_layers)]
+
+    def probe_attention(self, chunk: int, qkv: tuple) -> Probe:
+        """Time each layer's ``update_and_fetch`` + SDPA for the next media unit's prefill steps."""
+        q_all, k_all, v_all = qkv
+        scale = self.spec.head_dim ** -0.5
+        wall = cpu = 0.0
+        keys = 0
+        active = 0
+        for a in range(0, chunk, MLX_LM_PREFILL_STEP):
+            b = min(chunk, a + MLX_LM_PREFILL_STEP)
+            q, k, v = q_all[:, :, a:b], k_all[:, :, a:b], v_all[:, :, a:b]
+            mx.eval(q, k, v)
+            for c in self.caches:
+                t0, c0 = _now()
+                kk, vv = c.update_and_fetch(k, v)
+                mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask="causal"))
+                t1, c1 = _now()
+                wall += t1 - t0
+                cpu += c1 - c0
+            active = int(kk.shape[2])
+            keys += (b - a) * active  # the CPU fallback scores every key for every query (masked, not skipped)
+        return Probe(wall * 1000, cpu * 1000, active, keys)
+
+
+def make_variant(name: str, model: ShapeTrueModel, profiled: bool = False):
+    if name in MLX_LM_VARIANTS:
+        return MlxLmVariant(name, model, model.profile.high)
+    return EngineVariant(name, model, profiled=profiled)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------
+
+@dataclass
+class CheckpointState:
+    """Where one policy's simulator stood when the no-slide history first reached a checkpoint."""
+
+    checkpoint: int
+    full_context_tokens: int
+    table: PageTable
+    history: History
+    peak_span: int
+    updates: int
+    trims: int
+    last_unit: int
+
+
+def checkpoint_states(profile, policy: str, checkpoints: list[int], stream: StreamSpec) -> list[CheckpointState]:
+    """Stream through the checkpoints (ascending) with the core simulator; the layout of the policy's own kind."""
+    pol = make_policy(policy, profile=profile)
+    sim = Simulator(profile, pol, stream, (pol.layout,))
+    lt = next(iter(sim.layouts.values()))
+    todo, out = sorted(checkpoints), []
+    for event in stream.events():
+        sim.step(event)
+        while todo and sim.full_context_tokens >= todo[0]:
+            out.append(CheckpointState(todo.pop(0), sim.full_context_tokens, lt.table.copy(),
+                                       History(list(sim.history.units)), lt.peak_span, sim.updates, sim.trims,
+                                       sim.history[-1].length))
+        if not todo:
+            return out
+    raise RuntimeError(f"the stream ended before checkpoints {todo}")
+
+
+def _timing(samples: list[float], cpu: list[float]) -> Timing:
+    return Timing(statistics.median(samples), min(samples), max(samples), len(samples), statistics.median(cpu))
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[int], stream: StreamSpec, *,
+                      reps: int, seed: int, log) -> list[dict]:
+    """Rows for every checkpoint and variant: updates and attention probes, interleaved round by round."""
+    prof = model.profile
+    chunk = prof.media_unit_tokens
+    rng = np.random.default_rng(seed)
+    states = {name: checkpoint_states(prof, name, checkpoints, stream)
+              for name in variants if name in ENGINE_POLICIES}
+    full_states = states.get("full") or checkpoint_states(prof, "full", checkpoints, stream)
+    s = model.shape
+    qkv = tuple(mx.array(rng.standard_normal((1, h, chunk, s.head_dim), dtype=np.float32))
+                for h in (s.q_heads, s.kv_heads, s.kv_heads))
+    mx.eval(qkv)
+    rows = []
+    warmed = False
+    for ci, cp in enumerate(sorted(checkpoints)):
+        fs = full_states[ci]
+        for name, var in variants.items():
+            if var.kind == "engine":
+                st = states[name][ci]
+                var.install(st.table, st.history, st.peak_span, rng)
+            else:
+                var.install(fs.full_context_tokens, fs.last_unit, fs.history.next_position(), rng)
+        order = list(variants)
+        if not warmed:  # one unrecorded update per variant: first-call allocations
+            for name in order:
+                variants[name].media(float(fs.updates))
+                variants[name].restore()
+            warmed = True
+        samples = {name: [] for name in order}
+        probes = {name: [] for name in order}
+        for r in range(reps):
+            gc.collect()
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                var = variants[name]
+                var.restore()
+                kv_before = var.kv_bytes
+                active0 = mx.get_active_memory()
+                mx.reset_peak_memory()
+                t0, c0 = _now()
+                var.media(float(fs.updates))
+                t1, c1 = _now()
+                peak = model.weights_bytes + kv_before + max(0, mx.get_peak_memory() - active0)
+                cnt = var.counters()
+                samples[name].append({"wall": (t1 - t0) * 1000, "cpu": (c1 - c0) * 1000,
+                                      "prefill": cnt["prefill_ms"], "maintenance": cnt["maintenance_ms"],
+                                      "peak": peak, "layout": var.layout(), "kv_before": kv_before,
+                                      "migrated": cnt["migrated_cells"]})
+                var.restore()
+                probes[name].append(var.probe_attention(chunk, qkv))
+                var.restore()
+        for name in order:
+            sm, pr = samples[name], probes[name]
+            lay = sm[-1]["layout"]
+            fstate = states[name][ci] if name in states else fs
+            row = {
+                "kind": "update", "policy": name, "checkpoint": cp, "full_context_tokens": fs.full_context_tokens,
+                "chunk_tokens": chunk, "synthetic_kv": True,
+                "retained_before": (fstate.history.total_tokens if name in states
+                                    else variants[name].layout()["retained_cells"]),
+                "active_slots": pr[0].active_slots, "keys_visited": pr[0].keys_visited,
+                "flops": update_flops(s, s.layers, s.vocab, chunk, pr[0].keys_visited),
+                "update_ms": round(statistics.median(x["wall"] for x in sm), 3),
+                "update_cpu_ms": round(statistics.median(x["cpu"] for x in sm), 3),
+                "prefill_ms": round(statistics.median(x["prefill"] for x in sm), 3),
+                "attention_ms": round(statistics.median(p.wall_ms for p in pr), 3),
+                "attention_cpu_ms": round(statistics.median(p.cpu_ms for p in pr), 3),
+                "maintenance_ms": round(statistics.median(x["maintenance"] for x in sm), 3),
+                "migrated_cells": sm[-1]["migrated"],
+                "timing": _timing([x["wall"] for x in sm], [x["cpu"] for x in sm]).to_json(),
+                "attention_timing": _timing([p.wall_ms for p in pr], [p.cpu_ms for p in pr]).to_json(),
+                **{k: lay[k] for k in ("retained_cells", "physical_span", "active_pages", "active_subblocks")},
+                "prefill_span": lay["prefill_span"],
+                "peak_span": max(fstate.peak_span if name in states else 0, lay["peak_span"]),
+                "kv_bytes": lay["kv_bytes"],
+                "kv_bytes_real_model": lay["retained_cells"] * prof.kv_bytes_per_token,
+                "peak_memory_bytes": int(statistics.median(x["peak"] for x in sm)),
+            }
+            rows.append(row)
+            if log:
+                log(row)
+        for var in variants.values():
+            var.release()
+        gc.collect()
+    add_limits(rows, model)
+    return rows
+
+
+def add_limits(rows: list[dict], model: ShapeTrueModel) -> None:
+    """Per row: speedup over ``full`` at its checkpoint (wall and CPU time), the FLOP-count and key-count limits,
+    and the ratios; also the limits the real model (all layers, real vocabulary) would have."""
+    real = model.real
+    by = {(r["checkpoint"], r["policy"]): r for r in rows if r["kind"] == "update"}
+    for r in rows:
+        full = by.get((r["checkpoint"], "full"))
+        if r["kind"] != "update" or full is None:
+            continue
+        lim = full["flops"] / r["flops"]
+        key_lim = full["keys_visited"] / r["keys_visited"]
+        real_lim = (update_flops(real, real.layers, real.vocab, r["chunk_tokens"], full["keys_visited"])
+                    / update_flops(real, real.layers, real.vocab, r["chunk_tokens"], r["keys_visited"]))
+        r.update({
+            "flop_limit": round(lim, 4), "flop_limit_real_model": round(real_lim, 4),
+            "speedup": round(full["update_ms"] / r["update_ms"], 4),
+            "cpu_speedup": round(full["update_cpu_ms"] / r["update_cpu_ms"], 4),
+            "key_limit": round(key_lim, 4),
+            "attention_speedup": round(full["attention_ms"] / r["attention_ms"], 4),
+            "attention_cpu_speedup": round(full["attention_cpu_ms"] / r["attention_cpu_ms"], 4),
+        })
+        for k, l in (("speedup", lim), ("cpu_speedup", lim), ("attention_speedup", key_lim),
+                     ("attention_cpu_speedup", key_lim)):
+            r[k.replace("speedup", "ratio_to_limit")] = round(r[k] / l, 4)
+
+
+# --- sessions -------------------------------------------------------------------------------------------------
+
+def session_events(stream: StreamSpec) -> list[tuple]:
+    """("media", t) per second; ("ask", question tokens, reply tokens) for each question / reply pair."""
+    out, pending = [], None
+    for e in stream.events():
+        if e.kind == "media":
+            out.append(("media", e.t))
+        elif e.kind == "question":
+            pending = e.n_text
+        else:
+            out.append(("ask", pending, e.n_text))
+    return out
+
+
+def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log) -> list[dict]:
+    """Every variant streams the same session, taking turns event by event; one row per variant."""
+    events = session_events(stream)
+    series = {name: [] for name in variants}
+    wall = {name: 0.0 for name in variants}
+    cpu = {name: 0.0 for name in variants}
+    fed = {name: 0 for name in variants}
+    order = list(variants)
+    t_start = time.perf_counter()
+    for i, ev in enumerate(events):
+        gc.collect()
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            var = variants[name]
+            kv_before = var.kv_bytes
+            active0 = mx.get_active_memory()
+            mx.reset_peak_memory()
+            t0, c0 = _now()
+            if ev[0] == "media":
+                var.media(ev[1])
+            else:
+                var.ask(ev[1], ev[2])
+            t1, c1 = _now()
+            peak = model.weights_bytes + max(kv_before, var.kv_bytes) + max(0, mx.get_peak_memory() - active0)
+            wall[name] += t1 - t0
+            cpu[name] += c1 - c0
+            lay = var.layout()
+            series[name].append({"event": i, "kind": ev[0], "ms": round((t1 - t0) * 1000, 2),
+                                 "retained_cells": lay["retained_cells"], "physical_span": lay["physical_span"],
+                                 "kv_bytes": lay["kv_bytes"], "peak_memory_bytes": int(peak),
+                                 "evictions": var.counters()["evictions"]})
+        if log:
+            log(f"  session event {i + 1}/{len(events)} ({ev[0]}) done, {time.perf_counter() - t_start:.0f} s")
+    rows = []
+    for name, var in variants.items():
+        c = var.counters()
+        lay = var.layout()
+        ser = series[name]
+        for rec, tok in zip(ser, _full_context_series(model, events)):
+            rec["full_context_tokens"] = tok
+        session_s = wall[name]
+        maint = c["maintenance_ms"] / 1000
+        rows.append({
+            "kind": "session", "policy": name, "synthetic_kv": False,
+            "session_s": round(session_s, 3), "session_cpu_s": round(cpu[name], 3),
+            "prefill_s": round(c["prefill_ms"] / 1000, 3), "decode_s": round(c["decode_ms"] / 1000, 3),
+            "maintenance_s": round(maint, 4), "maintenance_share": round(maint / session_s, 5),
+            "other_s": round(session_s - (c["prefill_ms"] + c["decode_ms"] + c["maintenance_ms"]) / 1000, 3),
+            "units": sum(1 for e in events if e[0] == "media"), "questions": sum(1 for e in events if e[0] == "ask"),
+            "decoded_tokens": c["decoded_tokens"], "evictions": c["evictions"], "migrations": c["migrations"],
+            "migrated_cells": c["migrated_cells"], "full_context_tokens": ser[-1]["full_context_tokens"],
+            **{k: lay[k] for k in ("retained_cells", "physical_span", "active_pages", "active_subblocks",
+                                   "peak_span", "kv_bytes")},
+            "kv_bytes_real_model": lay["retained_cells"] * model.profile.kv_bytes_per_token,
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ser),
+            "series": ser,
+        })
+    return rows
+
+
+def _full_context_series(model: ShapeTrueModel, events: list[tuple]) -> list[int]:
+    """The no-slide history length after each session event (system prompt included)."""
+    prof = model.profile
+    tokens = prof.system_tokens
+    out = []
+    for ev in events:
+        if ev[0] == "media":
+            tokens += prof.media_unit_tokens
+        else:
+            tokens += question_tokens(prof.family, ev[1]) + ev[2] + reply_closing_tokens(prof.family)
+        out.append(tokens)
+    return out
+
+
+def run_profiled_sessions(model: ShapeTrueModel, stream: StreamSpec, log) -> list[dict]:
+    """Figure 15: OmniPick's retention over the native layout, OmniPage and eager, every attend and migration
+    timed; cumulative prefill / decode attention per event."""
+    variants = {name: EngineVariant(name, model, profiled=True) for name in LAYOUT_TRIO}
+    for var in variants.values():  # the system prompt's prefill is not part of the session
+        var.session.cache.attention_s = {"prefill": 0.0, "decode": 0.0}
+    events = session_events(stream)
+    series = {name: [] for name in variants}
+    for i, ev in enumerate(events):
+        for name in LAYOUT_TRIO[i % 3:] + LAYOUT_TRIO[:i % 3]:
+            var = variants[name]
+            if ev[0] == "media":
+                var.media(ev[1])
+            else:
+                var.ask(ev[1], ev[2])
+            cache = var.session.cache
+            series[name].append({"event": i, "kind": ev[0],
+                                 "prefill_attention_ms": round(cache.attention_s["prefill"] * 1000, 3),
+                                 "decode_attention_ms": round(cache.attention_s["decode"] * 1000, 3),
+                                 "migration_ms": round(cache.migration_s * 1000, 3),
+                                 "active_pages": cache.page_table.stats().active_pages})
+        gc.collect()
+        if log:
+            log(f"  profiled session event {i + 1}/{len(events)} ({ev[0]}) done")
+    rows = []
+    for name, var in variants.items():
+        cache = var.session.cache
+        c = var.counters()
+        rows.append({"kind": "attention_session", "policy": name, "layout": var.policy.layout,
+                     "prefill_attention_s": round(cache.attention_s["prefill"], 4),
+                     "decode_attention_s": round(cache.attention_s["decode"], 4),
+                     "migration_s": round(cache.migration_s, 4), "migrations": c["migrations"],
+                     "migrated_cells": c["migrated_cells"], "maintenance_s": round(c["maintenance_ms"] / 1000, 4),
+                     "series": series[name]})
+    return rows
+
+
+# --- goals ----------------------------------------------------------------------------------------------------
+
+def goals(result: dict) -> dict:
+    """The issue's goals on the measured rows (wall time; CPU time alongside)."""
+    rows = result["rows"]
+    shape = result["shape"]
+    upd = [r for r in rows if r["kind"] == "update" and r["policy"] == "omnitide" and "flop_limit" in r]
+    update_goal = [{"checkpoint": r["checkpoint"], "speedup": r["speedup"], "cpu_speedup": r["cpu_speedup"],
+                    "flop_limit": r["flop_limit"], "ratio_to_limit": r["ratio_to_limit"],
+                    "cpu_ratio_to_limit": r["cpu_ratio_to_limit"], "met": r["ratio_to_limit"] >= RATIO_GOAL,
+                    "attention_speedup": r["attention_speedup"], "key_limit": r["key_limit"],
+                    "attention_ratio_to_limit": r["attention_ratio_to_limit"],
+                    "attention_cpu_ratio_to_limit": r["attention_cpu_ratio_to_limit"],
+                    "attention_met": r["attention_ratio_to_limit"] >= RATIO_GOAL} for r in upd]
+    out = {"ratio_goal": RATIO_GOAL, "omnitide_updates": update_goal}
+    last = max(upd, key=lambda r: r["checkpoint"]) if upd else None
+    if last is not None and shape in PAPER_UPDATE_32K:
+        full_ms, tide_ms = PAPER_UPDATE_32K[shape]
+        paper = full_ms / tide_ms
+        out["paper_update"] = {"checkpoint": last["checkpoint"], "paper_speedup_32k": round(paper, 3),
+                               "speedup": last["speedup"], "flop_limit": last["flop_limit"],
+                               "limit_allows": last["flop_limit"] >= paper, "beats_paper": last["speedup"] > paper}
+    sess = {r["policy"]: r for r in rows if r["kind"] == "session"}
+    if "full" in sess and "omnitide" in sess:
+        sp = sess["full"]["session_s"] / sess["omnitide"]["session_s"]
+        entry = {"speedup": round(sp, 3),
+                 "cpu_speedup": round(sess["full"]["session_cpu_s"] / sess["omnitide"]["session_cpu_s"], 3)}
+        if shape in PAPER_SESSION:
+            a, b = PAPER_SESSION[shape]
+            entry.update(paper_speedup=round(a / b, 3), beats_paper=sp > a / b)
+        out["session"] = entry
+    out["maintenance"] = {name: {"share": r["maintenance_share"], "met": r["maintenance_share"] < MAINTENANCE_GOAL}
+                          for name, r in sess.items() if name in ENGINE_POLICIES}
+    prof = {r["policy"]: r for r in rows if r["kind"] == "attention_session"}
+    if set(LAYOUT_TRIO) <= set(prof):
+        nat, omp, eag = (prof[n] for n in LAYOUT_TRIO)
+        share = {}
+        for phase in ("prefill", "decode", "total"):
+            def att(r):
+                return (r["prefill_attention_s"] + r["decode_attention_s"] if phase == "total"
+                        else r[f"{phase}_attention_s"])
+            mig = omp["migration_s"] if phase != "decode" else 0.0
+            gain = att(nat) - att(eag)
+            share[phase] = {"native_s": round(att(nat), 4), "omnipage_s_with_migration": round(att(omp) + mig, 4),
+                            "eager_s": round(att(eag), 4), "eager_gain_s": round(gain, 4),
+                            "omnipage_gain_s": round(att(nat) - att(omp) - mig, 4),
+                            "share": round((att(nat) - att(omp) - mig) / gain, 4) if gain > 0 else None}
+        share["goal"] = OMNIPAGE_GOAL
+        share["met"] = share["prefill"]["share"] is not None and share["prefill"]["share"] >= OMNIPAGE_GOAL
+        out["omnipage_share_session"] = share
+    cps = {}
+    for r in rows:
+        if r["kind"] == "update" and r["policy"] in LAYOUT_TRIO:
+            cps.setdefault(r["checkpoint"], {})[r["policy"]] = r
+    cp_share = []
+    for cp, by in sorted(cps.items()):
+        if set(LAYOUT_TRIO) <= set(by):
+            mig = by["omnitide"]["maintenance_ms"]
+            gain = by["omnipick"]["attention_ms"] - by["eager"]["attention_ms"]
+            own = by["omnipick"]["attention_ms"] - by["omnitide"]["attention_ms"] - mig
+            cp_share.append({"checkpoint": cp, "native_ms": by["omnipick"]["attention_ms"],
+                             "omnipage_ms": by["omnitide"]["attention_ms"], "omnipage_maintenance_ms": mig,
+                             "eager_ms": by["eager"]["attention_ms"],
+                             "share": round(own / gain, 4) if gain > 0 else None})
+    out["omnipage_share_checkpoints"] = cp_share
+    out["memory"] = memory_check(rows)
+    return out
+
+
+def memory_check(rows: list[dict]) -> dict:
+    """Session memory: after the first trim, a bounded policy's per-update peak stays within a band; full context's
+    grows linearly with the history (least-squares slope per token and R^2 over its media updates)."""
+    out = {}
+    for r in rows:
+        if r["kind"] != "session":
+            continue
+        media = [e for e in r["series"] if e["kind"] == "media"]
+        first_trim = next((i for i, e in enumerate(media) if e["evictions"] > 0), None)
+        if r["policy"] in ("full", "mlx_kvcache") or first_trim is None:
+            x = np.array([e["full_context_tokens"] for e in media], dtype=np.float64)
+            y = np.array([e["peak_memory_bytes"] for e in media], dtype=np.float64)
+            if len(x) >= 3:
+                slope, icpt = np.polyfit(x, y, 1)
+                r2 = 1 - ((y - (slope * x + icpt)) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-9)
+                out[r["policy"]] = {"growth": "linear", "bytes_per_token": round(float(slope), 1),
+                                    "r2": round(float(r2), 4)}
+            continue
+        after = [e["peak_memory_bytes"] for e in media[first_trim:]]
+        before = media[first_trim]["peak_memory_bytes"]
+        out[r["policy"]] = {"growth": "bounded", "first_trim_update": first_trim,
+                            "peak_at_first_trim": before, "max_after": max(after), "min_after": min(after),
+                            "spread": round((max(after) - min(after)) / before, 4),
+                            "flat": max(after) <= 1.05 * before}
+    return out
+
+
+# --- the run --------------------------------------------------------------------------------------------------
+
+def default_session(profile, session_tokens: int) -> tuple[int, int]:
+    """(seconds, question_every): enough seconds for the no-slide history to reach ``session_tokens``; two
+    questions."""
+    seconds = max(4, math.ceil((session_tokens - profile.system_tokens) / profile.media_unit_tokens))
+    return seconds, max(1, seconds // 2)
+
+
+def run_bench(shape: str, checkpoints: list[int], *, layers: int = 1, vocab: int = 4096, reps: int = 2,
+              session_seconds: int | None = None, question_every: int | None = None, session_tokens: int = 16384,
+              policies: tuple[str, ...] = VARIANTS, sessions: bool = True, profiled_sessions: bool = True,
+              seed: int = 0, log=None) -> dict:
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # no collector pause inside a timed call: the runs collect between rounds and events
+    try:
+        return _run_bench(shape, checkpoints, layers=layers, vocab=vocab, reps=reps, session_seconds=session_seconds,
+                          question_every=question_every, session_tokens=session_tokens, policies=policies,
+                          sessions=sessions, profiled_sessions=profiled_sessions, seed=seed, log=log)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _run_bench(shape, checkpoints, *, layers, vocab, reps, session_seconds, question_every, session_tokens,
+               policies, sessions, profiled_sessions, seed, log) -> dict:
+    t_start, c_start = _now()
+    load_before = load_average()
+    model = ShapeTrueModel(shape, layers=layers, vocab=vocab, seed=seed)
+    prof = model.profile
+    stream = StreamSpec(max(checkpoints) // prof.media_unit_tokens + 8, question_every=30, seed=seed)
+    rows: list[dict] = []
+    cost = {}
+    if checkpoints:
+        variants = {name: make_variant(name, model) for name in policies}
+        t0 = time.perf_counter()
+        rows += bench_checkpoints(model, variants, checkpoints, stream, reps=reps, seed=seed,
+                                  log=(lambda r: log(_row_line(r))) if log else None)
+        cost["checkpoints_s"] = round(time.perf_counter() - t0, 1)
+        del variants
+        gc.collect()
+    sec, qe = default_session(prof, session_tokens)
+    session = StreamSpec(session_seconds or sec, question_every=question_every or qe, seed=seed)
+    if sessions:
+        t0 = time.perf_counter()
+        variants = {name: make_variant(name, model) for name in policies}
+        rows += run_sessions(model, variants, session, log)
+        cost["sessions_s"] = round(time.perf_counter() - t0, 1)
+        del variants
+        gc.collect()
+    if profiled_sessions and set(LAYOUT_TRIO) <= set(policies):
+        t0 = time.perf_counter()
+        rows += run_profiled_sessions(model, session, log)
+        cost["profiled_sessions_s"] = round(time.perf_counter() - t0, 1)
+    t_end, c_end = _now()
+    import mlx_lm
+
+    result = {
+        "shape": shape,
+        "layers": layers,
+        "versions": dict(versions(), mlx_lm=mlx_lm.__version__),
+        "model": {"bench": model.shape.to_json(), "real": model.real.to_json(), "dtype": "float32",
+                  "weights_bytes": model.weights_bytes, "vocab_note": "reduced vocabulary: logits of the last position only"},
+        "profile": prof.to_json(),
+        "policies": {name: make_policy(name, profile=prof).config() for name in policies if name in ENGINE_POLICIES},
+        "mlx_lm": {"prefill_step": MLX_LM_PREFILL_STEP, "rotating_max_size": prof.high, "rotating_keep": MLX_LM_KEEP},
+        "checkpoints": sorted(checkpoints),
+        "checkpoint_stream": stream.to_json(),
+        "session_stream": session.to_json(),
+        "reps": reps,
+        "synthetic_kv_rows": "update rows (checkpoints): page table and history from the core simulator, random K/V; "
+                             "session rows stream from the system prompt with real K/V",
+        "load_average": {"before": load_before, "after": load_average()},
+        "wall_s": round(t_end - t_start, 1),
+        "cpu_s": round(c_end - c_start, 1),
+        "cost": cost,
+        "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rows": rows,
+    }
+    result["goals"] = goals(result)
+    return result
+
+
+def _row_line(r: dict) -> str:
+    return (f"  {r['checkpoint']:>6} {r['policy']:<13} update {r['update_ms']:>9.1f} ms (cpu {r['update_cpu_ms']:>9.1f})"
+            f"  attention {r['attention_ms']:>9.1f} ms  maintenance {r['maintenance_ms']:>7.1f} ms  "
+            f"retained {r['retained_cells']:>6} span {r['physical_span']:>6}")
+
+
+def markdown(result: dict) -> str:
+    """The tables of docs/benchmarks.md: checkpoints, then sessions."""
+    lines = ["| checkpoint (no-slide) | policy | update ms (CPU ms) | speedup (CPU) | FLOP limit | ratio (CPU) "
+             "| attention ms | attn speedup | key limit | ratio | maintenance ms | retained / span / active slots "
+             "| peak span | peak memory MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["kind"] != "update":
+            continue
+        lim = r.get("flop_limit")
+        lines.append(
+            f"| {r['checkpoint']} ({r['full_context_tokens']}) | {r['policy']} | {r['update_ms']:.0f} "
+            f"({r['update_cpu_ms']:.0f}) | {r.get('speedup', 0):.2f}x ({r.get('cpu_speedup', 0):.2f}x) | "
+            f"{lim:.2f}x | {r.get('ratio_to_limit', 0):.2f} ({r.get('cpu_ratio_to_limit', 0):.2f}) | "
+            f"{r['attention_ms']:.0f} | {r.get('attention_speedup', 0):.2f}x | {r.get('key_limit', 0):.2f}x | "
+            f"{r.get('attention_ratio_to_limit', 0):.2f} | {r['maintenance_ms']:.1f} | "
+            f"{r['retained_cells']} / {r['physical_span']} / {r['active_slots']} | {r['peak_span']} | "
+            f"{r['peak_memory_bytes'] / 1e6:.0f} |")
+    lines += ["", "| policy | session s (CPU s) | prefill s | decode s | maintenance s (share) | retained | span "
+              "| peak span | KV MB (real model, fp16) | peak memory MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["kind"] != "session":
+            continue
+        lines.append(f"| {r['policy']} | {r['session_s']:.1f} ({r['session_cpu_s']:.1f}) | {r['prefill_s']:.1f} | "
+                     f"{r['decode_s']:.1f} | {r['maintenance_s']:.3f} ({100 * r['maintenance_share']:.2f} %) | "
+                     f"{r['retained_cells']} | {r['physical_span']} | {r['peak_span']} | "
+                     f"{r['kv_bytes_real_model'] / 1e6:.0f} | {r['peak_memory_bytes'] / 1e6:.0f} |")
+    return "\n".join(lines)
+
+
+# --- command line (omnitide bench stream) ----------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="qwen2.5-omni-3b", choices=sorted(SHAPES),
+                   help="model shape and unit layout (default qwen2.5-omni-3b; 'tiny' is for smoke tests)")
+    p.add_argument("--layers", type=int, default=1, help="decoder layers of the benchmark model (default 1)")
+    p.add_argument("--vocab", type=int, default=4096, help="reduced vocabulary (default 4096)")
+    p.add_argument("--checkpoints", default="4096,8192,16384,32768",
+                   help="comma-separated no-slide checkpoints in tokens (default 4096,8192,16384,32768); "
+                        "empty: sessions only")
+    p.add_argument("--policies", default=",".join(VARIANTS), help=f"comma-separated variants (default all: "
+                   f"{','.join(VARIANTS)})")
+    p.add_argument("--reps", type=int, default=2, help="timed updates per variant and checkpoint (default 2)")
+    p.add_argument("--session-tokens", type=int, default=16384,
+                   help="session length: seconds enough for this many no-slide tokens (default 16384)")
+    p.add_argument("--session-seconds", type=int, default=None, help="session length in seconds (overrides)")
+    p.add_argument("--question-every", type=int, default=None,
+                   help="a question every N seconds of the session (default: two per session)")
+    p.add_argument("--no-sessions", action="store_true", help="skip the whole-session runs")
+    p.add_argument("--no-profiled-sessions", action="store_true", help="skip the figure-15 profiled sessions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
+    p.add_argument("--plot", default=None, help="write the figures (one PNG) here")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        checkpoints = [int(x) for x in str(args.checkpoints).split(",") if x.strip()]
+    except ValueError:
+        print(f"bad --checkpoints {args.checkpoints!r}: want comma-separated integers", file=sys.stderr)
+        return 2
+    policies = tuple(x.strip() for x in str(args.policies).split(",") if x.strip())
+    bad = [p for p in policies if p not in VARIANTS]
+    if bad or not policies:
+        print(f"unknown --policies {bad}; choose from {','.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    if checkpoints and (min(checkpoints) <= 0 or "full" not in policies):
+        print("--checkpoints needs positive token counts and the 'full' policy (the baseline)", file=sys.stderr)
+        return 2
+    if args.layers < 1 or args.reps < 1:
+        print("--layers and --reps must be at least 1", file=sys.stderr)
+        return 2
+
+    def log(x):
+        print(x, flush=True)
+
+    result = run_bench(args.shape, checkpoints, layers=args.layers, vocab=args.vocab, reps=args.reps,
+                       session_seconds=args.session_seconds, question_every=args.question_every,
+                       session_tokens=args.session_tokens, policies=policies, sessions=not args.no_sessions,
+                       profiled_sessions=not args.no_profiled_sessions, seed=args.seed, log=log)
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if args.plot:
+        from .stream_plots import plot
+
+        plot(result, args.plot)
+    if args.markdown:
+        print(markdown(result))
+    print(f"wall {result['wall_s']} s, CPU {result['cpu_s']} s; cost {result['cost']}; load {result['load_average']}")
+    return 0
