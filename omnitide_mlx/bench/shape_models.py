@@ -185,8 +185,8 @@ class RandomUnitAdapter(StreamAdapter):
     def user_unit(self, text: str, start: int) -> PreparedUnit:
         runs = question_runs(self.profile.family, len(text.split()))
         n = sum(k for _, k in runs)
-        return self._prepared(UnitKind.USER, spans_from_runs(runs), text_positions(start, n, self.kv_spec.position_axes),
-                              label=text[:40])
+        positions = text_positions(start, n, self.kv_spec.position_axes)
+        return self._prepared(UnitKind.USER, spans_from_runs(runs), positions, label=text[:40])
 
     def context_unit(self, text: str, start: int) -> PreparedUnit:
         n = len(text.split())

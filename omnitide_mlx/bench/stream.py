@@ -27,9 +27,11 @@ Three measurements:
    (excluded, as in the paper) - one unit a second, a question every ``question_every`` seconds answered by
    greedy decoding of the stream's reply length - taking turns event by event. ``session_s`` sums the events'
    wall time (input, prefill, answers, maintenance); no synthetic state.
-3. **Attention under identical retention** (paper figure 15): the same session again for OmniPick over the native
-   layout, OmniPage and eager, with every ``attend`` and every migration timed (profiled run; not used for
-   ``session_s``).
+3. **Attention under identical retention** (paper figure 15), from the same sessions: the engine's caches time
+   every ``attend`` (between evaluated inputs and outputs) and every migration, so OmniPick over the native layout,
+   OmniPage and eager can be compared. On the CPU this costs nothing measurable: MLX runs a graph's ops one after
+   another on one stream, and evaluating it in three pieces instead of one changed a 3B-shape update by 0.6 %
+   (6,963 against 6,921 ms, medians of 4 interleaved updates; within the run-to-run spread).
 
 FLOP-count limit of a row: full-context update FLOPs over its own (shape, chunk, and the keys each query visits:
 for the engine the 64-slot tiles that hold a key visible to it, holes included; for mlx-lm's SDPA every key,
@@ -49,7 +51,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -431,6 +433,7 @@ class MlxLmVariant:
 
 
 def make_variant(name: str, model: ShapeTrueModel, profiled: bool = False):
+    """A variant by name; ``profiled`` engine variants time their attention and migrations (sessions)."""
     if name in MLX_LM_VARIANTS:
         return MlxLmVariant(name, model, model.profile.high)
     return EngineVariant(name, model, profiled=profiled)
@@ -479,8 +482,9 @@ def _median(xs):
 
 
 def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[int], stream: StreamSpec, *,
-                      reps: int, seed: int, log) -> list[dict]:
-    """Rows for every checkpoint and variant: updates and attention probes, interleaved round by round."""
+                      reps: int, attention_reps: int, seed: int, log) -> list[dict]:
+    """Rows for every checkpoint and variant: ``reps`` updates and ``attention_reps`` attention probes each,
+    interleaved round by round (the round's first variant rotates)."""
     prof = model.profile
     chunk = prof.media_unit_tokens
     rng = np.random.default_rng(seed)
@@ -502,10 +506,12 @@ def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[i
             else:
                 var.install(fs.full_context_tokens, fs.last_unit, fs.history.next_position(), rng)
         order = list(variants)
-        if not warmed:  # one unrecorded update per variant: first-call allocations
-            for name in order:
-                variants[name].media(float(fs.updates))
-                variants[name].restore()
+        if not warmed:  # unrecorded updates of one engine and one mlx-lm variant: the process's first allocations
+            for kind in ("engine", "mlx_lm"):
+                first = next((v for v in variants.values() if v.kind == kind), None)
+                if first is not None:
+                    first.media(float(fs.updates))
+                    first.restore()
             warmed = True
         samples = {name: [] for name in order}
         probes = {name: [] for name in order}
@@ -527,8 +533,9 @@ def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[i
                                       "peak": peak, "layout": var.layout(), "kv_before": kv_before,
                                       "migrated": cnt["migrated_cells"]})
                 var.restore()
-                probes[name].append(var.probe_attention(chunk, qkv))
-                var.restore()
+                if r < attention_reps:
+                    probes[name].append(var.probe_attention(chunk, qkv))
+                    var.restore()
         for name in order:
             sm, pr = samples[name], probes[name]
             lay = sm[-1]["layout"]
@@ -613,12 +620,16 @@ def session_events(stream: StreamSpec) -> list[tuple]:
 
 
 def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log) -> list[dict]:
-    """Every variant streams the same session, taking turns event by event; one row per variant."""
+    """Every variant streams the same session, taking turns event by event; one row per variant, and for the
+    OmniPick layouts (native, OmniPage, eager) one ``attention_session`` row (figure 15). Engine variants should be
+    profiled (``make_variant(..., profiled=True)``) for the attention series."""
+    for var in variants.values():  # the system prompt's prefill is not part of the session
+        if isinstance(getattr(getattr(var, "session", None), "cache", None), ProfiledOmniCache):
+            var.session.cache.attention_s = {"prefill": 0.0, "decode": 0.0}
     events = session_events(stream)
     series = {name: [] for name in variants}
     wall = {name: 0.0 for name in variants}
     cpu = {name: 0.0 for name in variants}
-    fed = {name: 0 for name in variants}
     order = list(variants)
     t_start = time.perf_counter()
     for i, ev in enumerate(events):
@@ -638,10 +649,16 @@ def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log)
             wall[name] += t1 - t0
             cpu[name] += c1 - c0
             lay = var.layout()
-            series[name].append({"event": i, "kind": ev[0], "ms": round((t1 - t0) * 1000, 2),
-                                 "retained_cells": lay["retained_cells"], "physical_span": lay["physical_span"],
-                                 "kv_bytes": lay["kv_bytes"], "peak_memory_bytes": int(peak),
-                                 "evictions": var.counters()["evictions"]})
+            rec = {"event": i, "kind": ev[0], "ms": round((t1 - t0) * 1000, 2), "cpu_ms": round((c1 - c0) * 1000, 2),
+                   "retained_cells": lay["retained_cells"], "physical_span": lay["physical_span"],
+                   "active_pages": lay["active_pages"], "kv_bytes": lay["kv_bytes"], "peak_memory_bytes": int(peak),
+                   "evictions": var.counters()["evictions"]}
+            cache = getattr(getattr(var, "session", None), "cache", None)
+            if isinstance(cache, ProfiledOmniCache):
+                rec.update(prefill_attention_ms=round(cache.attention_s["prefill"] * 1000, 3),
+                           decode_attention_ms=round(cache.attention_s["decode"] * 1000, 3),
+                           migration_ms=round(cache.migration_s * 1000, 3))
+            series[name].append(rec)
         if log:
             log(f"  session event {i + 1}/{len(events)} ({ev[0]}) done, {time.perf_counter() - t_start:.0f} s")
     rows = []
@@ -668,6 +685,18 @@ def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log)
             "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ser),
             "series": ser,
         })
+        cache = getattr(getattr(var, "session", None), "cache", None)
+        if isinstance(cache, ProfiledOmniCache):
+            rows[-1].update(prefill_attention_s=round(cache.attention_s["prefill"], 4),
+                            decode_attention_s=round(cache.attention_s["decode"], 4),
+                            migration_s=round(cache.migration_s, 4))
+            if name in LAYOUT_TRIO:
+                rows.append({"kind": "attention_session", "policy": name, "layout": var.policy.layout,
+                             **{k: rows[-1][k] for k in ("prefill_attention_s", "decode_attention_s", "migration_s",
+                                                         "migrations", "migrated_cells", "maintenance_s")},
+                             "series": [{k: e[k] for k in ("event", "kind", "prefill_attention_ms",
+                                                           "decode_attention_ms", "migration_ms", "active_pages")}
+                                        for e in ser]})
     return rows
 
 
@@ -683,43 +712,6 @@ def _full_context_series(model: ShapeTrueModel, events: list[tuple]) -> list[int
             tokens += question_tokens(prof.family, ev[1]) + ev[2] + reply_closing_tokens(prof.family)
         out.append(tokens)
     return out
-
-
-def run_profiled_sessions(model: ShapeTrueModel, stream: StreamSpec, log) -> list[dict]:
-    """Figure 15: OmniPick's retention over the native layout, OmniPage and eager, every attend and migration
-    timed; cumulative prefill / decode attention per event."""
-    variants = {name: EngineVariant(name, model, profiled=True) for name in LAYOUT_TRIO}
-    for var in variants.values():  # the system prompt's prefill is not part of the session
-        var.session.cache.attention_s = {"prefill": 0.0, "decode": 0.0}
-    events = session_events(stream)
-    series = {name: [] for name in variants}
-    for i, ev in enumerate(events):
-        for name in LAYOUT_TRIO[i % 3:] + LAYOUT_TRIO[:i % 3]:
-            var = variants[name]
-            if ev[0] == "media":
-                var.media(ev[1])
-            else:
-                var.ask(ev[1], ev[2])
-            cache = var.session.cache
-            series[name].append({"event": i, "kind": ev[0],
-                                 "prefill_attention_ms": round(cache.attention_s["prefill"] * 1000, 3),
-                                 "decode_attention_ms": round(cache.attention_s["decode"] * 1000, 3),
-                                 "migration_ms": round(cache.migration_s * 1000, 3),
-                                 "active_pages": cache.page_table.stats().active_pages})
-        gc.collect()
-        if log:
-            log(f"  profiled session event {i + 1}/{len(events)} ({ev[0]}) done")
-    rows = []
-    for name, var in variants.items():
-        cache = var.session.cache
-        c = var.counters()
-        rows.append({"kind": "attention_session", "policy": name, "layout": var.policy.layout,
-                     "prefill_attention_s": round(cache.attention_s["prefill"], 4),
-                     "decode_attention_s": round(cache.attention_s["decode"], 4),
-                     "migration_s": round(cache.migration_s, 4), "migrations": c["migrations"],
-                     "migrated_cells": c["migrated_cells"], "maintenance_s": round(c["maintenance_ms"] / 1000, 4),
-                     "series": series[name]})
-    return rows
 
 
 # --- goals ----------------------------------------------------------------------------------------------------
@@ -828,22 +820,22 @@ def default_session(profile, session_tokens: int) -> tuple[int, int]:
 
 
 def run_bench(shape: str, checkpoints: list[int], *, layers: int = 1, vocab: int = 4096, reps: int = 2,
-              session_seconds: int | None = None, question_every: int | None = None, session_tokens: int = 16384,
-              policies: tuple[str, ...] = VARIANTS, sessions: bool = True, profiled_sessions: bool = True,
+              attention_reps: int = 1, session_seconds: int | None = None, question_every: int | None = None,
+              session_tokens: int = 14000, policies: tuple[str, ...] = VARIANTS, sessions: bool = True,
               seed: int = 0, log=None) -> dict:
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collector pause inside a timed call: the runs collect between rounds and events
     try:
-        return _run_bench(shape, checkpoints, layers=layers, vocab=vocab, reps=reps, session_seconds=session_seconds,
-                          question_every=question_every, session_tokens=session_tokens, policies=policies,
-                          sessions=sessions, profiled_sessions=profiled_sessions, seed=seed, log=log)
+        return _run_bench(shape, checkpoints, layers=layers, vocab=vocab, reps=reps, attention_reps=attention_reps,
+                          session_seconds=session_seconds, question_every=question_every,
+                          session_tokens=session_tokens, policies=policies, sessions=sessions, seed=seed, log=log)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _run_bench(shape, checkpoints, *, layers, vocab, reps, session_seconds, question_every, session_tokens,
-               policies, sessions, profiled_sessions, seed, log) -> dict:
+def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, session_seconds, question_every,
+               session_tokens, policies, sessions, seed, log) -> dict:
     t_start, c_start = _now()
     load_before = load_average()
     model = ShapeTrueModel(shape, layers=layers, vocab=vocab, seed=seed)
@@ -854,7 +846,8 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, session_seconds, ques
     if checkpoints:
         variants = {name: make_variant(name, model) for name in policies}
         t0 = time.perf_counter()
-        rows += bench_checkpoints(model, variants, checkpoints, stream, reps=reps, seed=seed,
+        rows += bench_checkpoints(model, variants, checkpoints, stream, reps=reps,
+                                  attention_reps=min(attention_reps, reps), seed=seed,
                                   log=(lambda r: log(_row_line(r))) if log else None)
         cost["checkpoints_s"] = round(time.perf_counter() - t0, 1)
         del variants
@@ -863,15 +856,11 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, session_seconds, ques
     session = StreamSpec(session_seconds or sec, question_every=question_every or qe, seed=seed)
     if sessions:
         t0 = time.perf_counter()
-        variants = {name: make_variant(name, model) for name in policies}
+        variants = {name: make_variant(name, model, profiled=True) for name in policies}
         rows += run_sessions(model, variants, session, log)
         cost["sessions_s"] = round(time.perf_counter() - t0, 1)
         del variants
         gc.collect()
-    if profiled_sessions and set(LAYOUT_TRIO) <= set(policies):
-        t0 = time.perf_counter()
-        rows += run_profiled_sessions(model, session, log)
-        cost["profiled_sessions_s"] = round(time.perf_counter() - t0, 1)
     t_end, c_end = _now()
     import mlx_lm
 
@@ -880,7 +869,8 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, session_seconds, ques
         "layers": layers,
         "versions": dict(versions(), mlx_lm=mlx_lm.__version__),
         "model": {"bench": model.shape.to_json(), "real": model.real.to_json(), "dtype": "float32",
-                  "weights_bytes": model.weights_bytes, "vocab_note": "reduced vocabulary: logits of the last position only"},
+                  "weights_bytes": model.weights_bytes,
+                  "vocab_note": "reduced vocabulary: logits of the last position only"},
         "profile": prof.to_json(),
         "policies": {name: make_policy(name, profile=prof).config() for name in policies if name in ENGINE_POLICIES},
         "mlx_lm": {"prefill_step": MLX_LM_PREFILL_STEP, "rotating_max_size": prof.high, "rotating_keep": MLX_LM_KEEP},
@@ -888,6 +878,7 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, session_seconds, ques
         "checkpoint_stream": stream.to_json(),
         "session_stream": session.to_json(),
         "reps": reps,
+        "attention_reps": min(attention_reps, reps),
         "synthetic_kv_rows": "update rows (checkpoints): page table and history from the core simulator, random K/V; "
                              "session rows stream from the system prompt with real K/V",
         "load_average": {"before": load_before, "after": load_average()},
@@ -902,7 +893,8 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, session_seconds, ques
 
 
 def _row_line(r: dict) -> str:
-    return (f"  {r['checkpoint']:>6} {r['policy']:<13} update {r['update_ms']:>9.1f} ms (cpu {r['update_cpu_ms']:>9.1f})"
+    return (f"  {r['checkpoint']:>6} {r['policy']:<13} update {r['update_ms']:>9.1f} ms "
+            f"(cpu {r['update_cpu_ms']:>9.1f})"
             f"  attention {r['attention_ms']:>9.1f} ms  maintenance {r['maintenance_ms']:>7.1f} ms  "
             f"retained {r['retained_cells']:>6} span {r['physical_span']:>6}")
 
@@ -950,13 +942,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(VARIANTS), help=f"comma-separated variants (default all: "
                    f"{','.join(VARIANTS)})")
     p.add_argument("--reps", type=int, default=2, help="timed updates per variant and checkpoint (default 2)")
-    p.add_argument("--session-tokens", type=int, default=16384,
-                   help="session length: seconds enough for this many no-slide tokens (default 16384)")
+    p.add_argument("--attention-reps", type=int, default=1,
+                   help="attention probes per variant and checkpoint, at most --reps (default 1)")
+    p.add_argument("--session-tokens", type=int, default=14000,
+                   help="session length: seconds enough for this many no-slide tokens (default 14000)")
     p.add_argument("--session-seconds", type=int, default=None, help="session length in seconds (overrides)")
     p.add_argument("--question-every", type=int, default=None,
                    help="a question every N seconds of the session (default: two per session)")
     p.add_argument("--no-sessions", action="store_true", help="skip the whole-session runs")
-    p.add_argument("--no-profiled-sessions", action="store_true", help="skip the figure-15 profiled sessions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, help="write the figures (one PNG) here")
@@ -977,17 +970,17 @@ def run(args: argparse.Namespace) -> int:
     if checkpoints and (min(checkpoints) <= 0 or "full" not in policies):
         print("--checkpoints needs positive token counts and the 'full' policy (the baseline)", file=sys.stderr)
         return 2
-    if args.layers < 1 or args.reps < 1:
-        print("--layers and --reps must be at least 1", file=sys.stderr)
+    if args.layers < 1 or args.reps < 1 or args.attention_reps < 1:
+        print("--layers, --reps and --attention-reps must be at least 1", file=sys.stderr)
         return 2
 
     def log(x):
         print(x, flush=True)
 
     result = run_bench(args.shape, checkpoints, layers=args.layers, vocab=args.vocab, reps=args.reps,
-                       session_seconds=args.session_seconds, question_every=args.question_every,
-                       session_tokens=args.session_tokens, policies=policies, sessions=not args.no_sessions,
-                       profiled_sessions=not args.no_profiled_sessions, seed=args.seed, log=log)
+                       attention_reps=args.attention_reps, session_seconds=args.session_seconds,
+                       question_every=args.question_every, session_tokens=args.session_tokens, policies=policies,
+                       sessions=not args.no_sessions, seed=args.seed, log=log)
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(result, fh, indent=1)
