@@ -53,11 +53,35 @@ def time_call(fn: Callable[[], object], reps: int | None = None, max_reps: int =
     return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], reps: int | None = None) -> dict[str, Timing]:
+FLUSH_BYTES = 128 << 20  # read before every timed call: larger than the CPU's last-level cache
+
+
+def cache_flusher(nbytes: int = FLUSH_BYTES) -> Callable[[], None]:
+    """A function that streams ``nbytes`` through the caches, so the next call starts cold. In a model, the K/V of
+    one layer's attention has long left the caches (other layers' weights and K/V passed through) by its next call;
+    timing every configuration cold also keeps the call that ran just before from favouring one."""
+    scratch = mx.ones((nbytes // 4,), mx.float32)
+    tiny = mx.ones((64,), mx.float32)
+    mx.eval(scratch, tiny)
+
+    def flush() -> None:
+        mx.eval(scratch.sum())
+        for _ in range(4):  # re-warm MLX's own dispatch path (code, allocator): a model runs ops in between too
+            mx.eval(tiny * 2 + 1)
+
+    return flush
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], reps: int | None = None,
+                     flush: Callable[[], None] | None = None) -> dict[str, Timing]:
     """Time several calls side by side: one warm-up each, then rounds that call each (still short of samples) once
-    in turn, so that a load change on a shared machine hits every configuration alike. Samples per call: ``reps``,
-    else 7 when its warm-up took under 0.5 s, 3 under 8 s, else 2 (the warm-up itself being one of them)."""
+    in turn (the order rotating every round), so that a load change on a shared machine, or the cache state a
+    previous call leaves, hits every configuration alike. Samples per call: ``reps``,
+    else 7 when its warm-up took under 0.5 s, 3 under 8 s, else 2 (the warm-up itself being one of them). With
+    ``flush`` (see cache_flusher), it runs before every call, outside the timing."""
     def once(fn) -> tuple[float, float]:
+        if flush is not None:
+            flush()
         c0, t0 = time.process_time(), time.perf_counter()
         mx.eval(fn())
         return (time.perf_counter() - t0) * 1000, (time.process_time() - c0) * 1000
@@ -68,10 +92,14 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int | None = No
         long = wall > 8000
         need[name] = reps if reps is not None else 2 if long else 3 if wall > 500 else 7
         samples[name] = [first[name]] if long and reps is None else []
-    while any(len(samples[n]) < need[n] for n in fns):
-        for name, fn in fns.items():
+    names = list(fns)
+    turn = 0
+    while any(len(samples[n]) < need[n] for n in names):
+        # rotate the order every round: no configuration always runs right after the one that flushed the caches
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
             if len(samples[name]) < need[name]:
-                samples[name].append(once(fn))
+                samples[name].append(once(fns[name]))
+        turn += 1
     out = {}
     for name, v in samples.items():
         wall = [w for w, _ in v]

@@ -12,7 +12,8 @@ Everywhere else (and as the oracle) the reference below runs with MLX ops. What 
 the CPU backend with OpenBLAS preloaded (docs/benchmarks.md): matmul-softmax-matmul with the query heads of a KV
 head stacked as rows (GQA without repeating K) is 2-3.5x faster than ``mx.fast.scaled_dot_product_attention`` for
 decode and as fast for prefill; a contiguous run of tiles is sliced, not copied; decode computes scores run by run
-(no K/V copy; 1.3-1.7x faster than a gather at 40-80 runs), prefill gathers the active tiles; queries go in blocks that bound the score
+(no K/V copy; 1.3-1.7x faster than a gather at 40-80 runs) with the mask as an additive bias inside ``addmm``,
+prefill gathers the active tiles; queries go in blocks that bound the score
 matrix and skip the tiles no query of the block can see yet (causal skipping inside the new chunk).
 """
 
@@ -33,7 +34,6 @@ _NO_SEQ = np.iinfo(np.int32).max  # key_seq of a free slot: visible to no query
 SCORE_BUDGET = 1 << 25  # float32 score elements per query block of the reference path (128 MB)
 DECODE_MAX_RUNS = 128  # few query rows: up to this many runs are scored run by run instead of gathered
 RUN_SCORES_MAX_ROWS = 128  # query rows (heads per KV head x queries) up to which run-by-run scoring beats a gather
-RUN_CHUNK = 1024  # decode-sized blocks score long runs in pieces: BLAS with 4-7 query rows is 5-10 % faster so
 METAL_EMPTY = -1.0e30  # the kernel's log-sum-exp of an empty partial (finite: Metal runs with fast math)
 
 
@@ -177,6 +177,7 @@ class _Block:
     mask: mx.array | None  # [tb, n] visibility when cached (small blocks); None: computed per call or not needed
     needs_mask: bool  # False when every selected key is visible to every query of the block
     keep_rows: mx.array | None  # [tb] False for queries that see no key (None: every query sees one)
+    bias: tuple[mx.array, ...] | None  # few-row blocks: per run, [g * tb, n_run] 0 / -inf, added inside addmm
 
 
 MASK_CACHE_MAX = 1 << 20  # cache a block's visibility mask in the plan up to this many elements
@@ -191,14 +192,12 @@ def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
     sel = plan.tile_min <= qs_np.max()  # tiles some query of the block can see
     tiles = plan.tiles[sel]
     if tiles.size == 0:
-        blk = _Block("none", (), None, None, None, None, False, None)
+        blk = _Block("none", (), None, None, None, None, False, None, None)
         plan.cache[key] = blk
         return blk
     runs = tuple(_runs(tiles, plan.tile))
     tb = i1 - i0
     few_rows = g * tb <= RUN_SCORES_MAX_ROWS
-    if few_rows:
-        runs = tuple((a, min(b, a + RUN_CHUNK)) for a0, b in runs for a in range(a0, b, RUN_CHUNK))
     if len(runs) == 1:
         mode, idx = "slice", None
     elif few_rows and len(runs) <= DECODE_MAX_RUNS:
@@ -210,12 +209,20 @@ def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
     slot_np = np.concatenate([np.arange(a, b) for a, b in runs])
     key_np = plan.key_np[slot_np]
     needs_mask = bool(key_np.max() > qs_np.min())  # a hole, or a key some query of the block may not see yet
-    mask = None
-    if needs_mask and tb * key_np.size <= MASK_CACHE_MAX:
+    mask = bias = None
+    if needs_mask and mode != "gather" and few_rows:
+        # decode-sized: the mask becomes an additive bias that addmm adds while it scales (two ops fewer per call)
+        full = np.tile(np.where(key_np[None, :] <= qs_np[:, None], 0.0, -np.inf).astype(np.float32), (g, 1))
+        bias, off = [], 0
+        for a, b in runs:
+            bias.append(mx.array(full[:, off:off + b - a]))
+            off += b - a
+        bias = tuple(bias)
+    elif needs_mask and tb * key_np.size <= MASK_CACHE_MAX:
         mask = mx.array(key_np[None, :] <= qs_np[:, None])
     empty = qs_np < plan.tile_min[sel].min()  # queries that see no key: softmax of -inf rows is NaN
     blk = _Block(mode, runs, idx, mx.array(slot_np.astype(np.int32)), mx.array(key_np.astype(np.int32)), mask,
-                 needs_mask, mx.array(~empty) if empty.any() else None)
+                 needs_mask, mx.array(~empty) if empty.any() else None, bias)
     plan.cache[key] = blk
     return blk
 
@@ -256,25 +263,26 @@ def _attend_block(q, k_buf, v_buf, blk: _Block, q_seq: mx.array, scale: float, g
     hkv = k_buf.shape[1]
     if blk.mode == "none":
         return mx.zeros((1, hq, tb, d), mx.float32), None
-    qg = (_f32(q) * scale).reshape(1, hkv, g * tb, d)  # rows (g, t): GQA without repeating K
-    if blk.mode == "slice":  # contiguous: a view, no copy
-        a, b = blk.runs[0]
-        s = qg @ _f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2)
-        values = [_f32(v_buf[:, :, a:b, :])]
-    elif blk.mode == "runs":
-        s = mx.concatenate([qg @ _f32(k_buf[:, :, a:b, :]).swapaxes(-1, -2) for a, b in blk.runs], axis=-1)
+    if blk.mode == "gather":
+        keys, values = [_f32(k_buf[:, :, blk.idx, :])], [_f32(v_buf[:, :, blk.idx, :])]
+    else:  # one view per run, no copy
+        keys = [_f32(k_buf[:, :, a:b, :]) for a, b in blk.runs]
         values = [_f32(v_buf[:, :, a:b, :]) for a, b in blk.runs]
+    if blk.bias is not None:  # scale and mask inside the score matmul
+        qg = _f32(q).reshape(1, hkv, g * tb, d)  # rows (g, t): GQA without repeating K
+        parts = [mx.addmm(bias, qg, kk.swapaxes(-1, -2), alpha=scale) for bias, kk in zip(blk.bias, keys)]
     else:
-        s = qg @ _f32(k_buf[:, :, blk.idx, :]).swapaxes(-1, -2)
-        values = [_f32(v_buf[:, :, blk.idx, :])]
+        qg = (_f32(q) * scale).reshape(1, hkv, g * tb, d)
+        parts = [qg @ kk.swapaxes(-1, -2) for kk in keys]
+    s = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     n = s.shape[-1]
-    s = s.reshape(1, hkv, g, tb, n)
-    if blk.needs_mask:
+    if blk.needs_mask and blk.bias is None:
+        s = s.reshape(1, hkv, g, tb, n)
         mask = blk.mask if blk.mask is not None else blk.key_seq[None, :] <= q_seq[:, None]
         s = mx.where(mask, s, -mx.inf)
     p = _softmax_rows(s)
     if blk.keep_rows is not None:
-        p = mx.where(blk.keep_rows[:, None], p, 0.0)
+        p = mx.where(blk.keep_rows[:, None], p.reshape(1, hkv, g, tb, n), 0.0)
     p = p.reshape(1, hkv, g * tb, n)
     if len(values) == 1:
         o = p @ values[0]
