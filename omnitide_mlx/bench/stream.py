@@ -63,7 +63,7 @@ from ..core.profiles import StreamSpec
 from ..core.sim import Simulator
 from ..core.units import History
 from ..engine import SessionCounters
-from ..session import OmniSession
+from ..session import OmniSession, keep_cpu_buffers
 from .common import Timing, load_average, versions
 from .shape_models import SHAPES, ShapeTrueModel, question_tokens, reply_closing_tokens, update_flops
 
@@ -142,15 +142,27 @@ class ProfiledOmniCache(OmniCache):
 
 class BenchSession(OmniSession):
     """OmniSession that remembers the physical span right after each prefill (the span attention walked before
-    maintenance: the peak span counts it), optionally over a ProfiledOmniCache."""
+    maintenance: the peak span counts it) and, per forward step, its tokens and the keys its queries visit (for the
+    session's FLOP count); optionally over a ProfiledOmniCache."""
 
     def __init__(self, model, *, profiled: bool = False, **kw):
         self.profiled = profiled
         self.prefill_span = 0
         self.peak_span = 0
+        self.steps: list[tuple[int, int]] = []  # (tokens, keys visited) per forward step
         super().__init__(model, **kw)
 
+    def _forward(self, embeds, positions):
+        out = super()._forward(embeds, positions)  # evaluation already started (async): the count overlaps it
+        t = int(embeds.shape[0])
+        table = self.cache.page_table
+        slots = np.flatnonzero(table.seq >= table.next_seq - t)
+        tile = table.subblock_size if t <= DECODE_MAX_TOKENS else table.page_size
+        self.steps.append((t, tile_keys_visited(table, slots, tile)[1]))
+        return out
+
     def _make_cache(self, spec, *, placement, page_size, subblock_size, collect_scores):
+        keep_cpu_buffers()  # as OmniSession._make_cache does
         cls = ProfiledOmniCache if self.profiled else OmniCache
         return cls.for_spec(spec, dtype=self.kv_dtype, page_size=page_size, subblock_size=subblock_size,
                             placement=placement, collect_scores=collect_scores)
@@ -220,6 +232,9 @@ class EngineVariant:
     def kv_bytes(self) -> int:
         return self.session.cache.nbytes
 
+    def step_log(self) -> list:
+        return self.session.steps
+
     # checkpoint state
     def install(self, table: PageTable, history: History, peak_span: int, rng: np.random.Generator) -> None:
         """Put the session in the state the simulator reached: this page table and history, synthetic K/V."""
@@ -252,6 +267,7 @@ class EngineVariant:
         s.records = []
         s._last_logits = None
         s.peak_span = peak_span
+        s.steps = []
 
     def release(self) -> None:
         self._state = None
@@ -302,6 +318,7 @@ class MlxLmVariant:
         self._counters = SessionCounters()
         self.peak_span = 0
         self.prefill_span = 0
+        self.steps: list[tuple[int, int]] = []  # (tokens, keys each query scores, summed) per forward step
         self._state = None
         self._prefill(self.adapter.system_unit(None, 0))
         self._counters = SessionCounters()  # the system prompt does not count
@@ -321,7 +338,13 @@ class MlxLmVariant:
             b = min(n, a + MLX_LM_PREFILL_STEP)
             logits = self.lm(embeds[a:b][None], self.caches, self._positions(positions, a, b), last_only=True)
             mx.eval(logits, [c.state for c in self.caches])
+            self.steps.append((b - a, (b - a) * self._keys_seen()))
         return logits[0, -1]
+
+    def _keys_seen(self) -> int:
+        """Keys the last step's SDPA scored for each query (mlx-lm's CPU fallback scores all of them)."""
+        c = self.caches[0]
+        return int(min(c.offset, c.keys.shape[2]))
 
     def _prefill(self, prepared) -> mx.array:
         t0 = time.perf_counter()
@@ -353,6 +376,7 @@ class MlxLmVariant:
             logits = self.lm(self.adapter.embed_tokens([token])[None], self.caches, self._positions(pos, 0, 1),
                              last_only=True)[0, -1]
             mx.async_eval(logits)
+            self.steps.append((1, self._keys_seen()))
             self.adapter.decode(generated)
         mx.eval(logits)
         self._counters.decode_ms += (time.perf_counter() - t0) * 1000
@@ -381,6 +405,9 @@ class MlxLmVariant:
     @property
     def kv_bytes(self) -> int:
         return sum(c.keys.nbytes + c.values.nbytes for c in self.caches if c.keys is not None)
+
+    def step_log(self) -> list:
+        return self.steps
 
     # checkpoint state
     def install(self, full_tokens: int, last_unit: int, next_position: int, rng: np.random.Generator) -> None:
@@ -624,6 +651,7 @@ def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log)
     OmniPick layouts (native, OmniPage, eager) one ``attention_session`` row (figure 15). Engine variants should be
     profiled (``make_variant(..., profiled=True)``) for the attention series."""
     for var in variants.values():  # the system prompt's prefill is not part of the session
+        var.step_log().clear()
         if isinstance(getattr(getattr(var, "session", None), "cache", None), ProfiledOmniCache):
             var.session.cache.attention_s = {"prefill": 0.0, "decode": 0.0}
     events = session_events(stream)
@@ -670,11 +698,17 @@ def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log)
             rec["full_context_tokens"] = tok
         session_s = wall[name]
         maint = c["maintenance_ms"] / 1000
+        s = model.shape
+        steps = var.step_log()
+        keys = {"prefill": sum(k for t, k in steps if t > DECODE_MAX_TOKENS),
+                "decode": sum(k for t, k in steps if t <= DECODE_MAX_TOKENS)}
         rows.append({
             "kind": "session", "policy": name, "synthetic_kv": False,
             "session_s": round(session_s, 3), "session_cpu_s": round(cpu[name], 3),
             "prefill_s": round(c["prefill_ms"] / 1000, 3), "decode_s": round(c["decode_ms"] / 1000, 3),
             "maintenance_s": round(maint, 4), "maintenance_share": round(maint / session_s, 5),
+            "flops": sum(update_flops(s, s.layers, s.vocab, t, k) for t, k in steps),
+            "prefill_keys_visited": keys["prefill"], "decode_keys_visited": keys["decode"],
             "other_s": round(session_s - (c["prefill_ms"] + c["decode_ms"] + c["maintenance_ms"]) / 1000, 3),
             "units": sum(1 for e in events if e[0] == "media"), "questions": sum(1 for e in events if e[0] == "ask"),
             "decoded_tokens": c["decoded_tokens"], "evictions": c["evictions"], "migrations": c["migrations"],
@@ -693,10 +727,18 @@ def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log)
             if name in LAYOUT_TRIO:
                 rows.append({"kind": "attention_session", "policy": name, "layout": var.policy.layout,
                              **{k: rows[-1][k] for k in ("prefill_attention_s", "decode_attention_s", "migration_s",
-                                                         "migrations", "migrated_cells", "maintenance_s")},
+                                                         "migrations", "migrated_cells", "maintenance_s",
+                                                         "prefill_keys_visited", "decode_keys_visited")},
                              "series": [{k: e[k] for k in ("event", "kind", "prefill_attention_ms",
                                                            "decode_attention_ms", "migration_ms", "active_pages")}
                                         for e in ser]})
+    full = next((r for r in rows if r["kind"] == "session" and r["policy"] == "full"), None)
+    for r in rows:
+        if r["kind"] == "session" and full is not None:
+            r.update(flop_limit=round(full["flops"] / r["flops"], 4),
+                     speedup=round(full["session_s"] / r["session_s"], 4),
+                     cpu_speedup=round(full["session_cpu_s"] / r["session_cpu_s"], 4))
+            r["ratio_to_limit"] = round(r["speedup"] / r["flop_limit"], 4)
     return rows
 
 
@@ -740,7 +782,9 @@ def goals(result: dict) -> dict:
     if "full" in sess and "omnitide" in sess:
         sp = sess["full"]["session_s"] / sess["omnitide"]["session_s"]
         entry = {"speedup": round(sp, 3),
-                 "cpu_speedup": round(sess["full"]["session_cpu_s"] / sess["omnitide"]["session_cpu_s"], 3)}
+                 "cpu_speedup": round(sess["full"]["session_cpu_s"] / sess["omnitide"]["session_cpu_s"], 3),
+                 "flop_limit": sess["omnitide"]["flop_limit"], "ratio_to_limit": sess["omnitide"]["ratio_to_limit"],
+                 "full_context_tokens": sess["omnitide"]["full_context_tokens"]}
         if shape in PAPER_SESSION:
             a, b = PAPER_SESSION[shape]
             entry.update(paper_speedup=round(a / b, 3), beats_paper=sp > a / b)
@@ -755,14 +799,25 @@ def goals(result: dict) -> dict:
             def att(r):
                 return (r["prefill_attention_s"] + r["decode_attention_s"] if phase == "total"
                         else r[f"{phase}_attention_s"])
+            def keys(r):
+                return (r["prefill_keys_visited"] + r["decode_keys_visited"] if phase == "total"
+                        else r[f"{phase}_keys_visited"])
             mig = omp["migration_s"] if phase != "decode" else 0.0
             gain = att(nat) - att(eag)
+            key_gain = keys(nat) - keys(eag)
             share[phase] = {"native_s": round(att(nat), 4), "omnipage_s_with_migration": round(att(omp) + mig, 4),
                             "eager_s": round(att(eag), 4), "eager_gain_s": round(gain, 4),
                             "omnipage_gain_s": round(att(nat) - att(omp) - mig, 4),
-                            "share": round((att(nat) - att(omp) - mig) / gain, 4) if gain > 0 else None}
+                            "share": round((att(nat) - att(omp) - mig) / gain, 4) if gain > 0 else None,
+                            "keys_visited": {n: keys(r) for n, r in zip(LAYOUT_TRIO, (nat, omp, eag))},
+                            # what the layouts allow: eager's reduction of visited keys, OmniPage's share of it
+                            "eager_key_reduction": round(key_gain / keys(nat), 4) if keys(nat) else None,
+                            "key_share": round((keys(nat) - keys(omp)) / key_gain, 4) if key_gain > 0 else None}
         share["goal"] = OMNIPAGE_GOAL
-        share["met"] = share["prefill"]["share"] is not None and share["prefill"]["share"] >= OMNIPAGE_GOAL
+        pre = share["prefill"]
+        # without a reduction of visited keys for eager to make, a time difference is noise, not a gain to capture
+        share["applicable"] = bool(pre["eager_key_reduction"] and pre["eager_key_reduction"] > 0.01)
+        share["met"] = (share["applicable"] and pre["share"] is not None and pre["share"] >= OMNIPAGE_GOAL)
         out["omnipage_share_session"] = share
     cps = {}
     for r in rows:
@@ -886,10 +941,18 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
         "cpu_s": round(c_end - c_start, 1),
         "cost": cost,
         "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "mlx_cache_limit_bytes": _cache_limit(),
         "rows": rows,
     }
     result["goals"] = goals(result)
     return result
+
+
+def _cache_limit() -> int:
+    """MLX's allocator cache limit (freed buffers kept for reuse), read without changing it."""
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return int(limit)
 
 
 def _row_line(r: dict) -> str:
