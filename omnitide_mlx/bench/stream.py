@@ -895,7 +895,7 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
     load_before = load_average()
     model = ShapeTrueModel(shape, layers=layers, vocab=vocab, seed=seed)
     prof = model.profile
-    stream = StreamSpec(max(checkpoints) // prof.media_unit_tokens + 8, question_every=30, seed=seed)
+    stream = StreamSpec(max(checkpoints, default=0) // prof.media_unit_tokens + 8, question_every=30, seed=seed)
     rows: list[dict] = []
     cost = {}
     if checkpoints:
@@ -980,14 +980,17 @@ def markdown(result: dict) -> str:
             f"{r.get('attention_ratio_to_limit', 0):.2f} | {r['maintenance_ms']:.1f} | "
             f"{r['retained_cells']} / {r['physical_span']} / {r['active_slots']} | {r['peak_span']} | "
             f"{r['peak_memory_bytes'] / 1e6:.0f} |")
-    lines += ["", "| policy | session s (CPU s) | prefill s | decode s | maintenance s (share) | retained | span "
-              "| peak span | KV MB (real model, fp16) | peak memory MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| policy | session s (CPU s) | speedup (CPU) | FLOP limit | ratio | prefill s | decode s "
+              "| maintenance s (share) | retained / span / peak span | KV MB (real model, fp16) | peak memory MB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] != "session":
             continue
-        lines.append(f"| {r['policy']} | {r['session_s']:.1f} ({r['session_cpu_s']:.1f}) | {r['prefill_s']:.1f} | "
+        lines.append(f"| {r['policy']} | {r['session_s']:.1f} ({r['session_cpu_s']:.1f}) | "
+                     f"{r.get('speedup', 0):.2f}x ({r.get('cpu_speedup', 0):.2f}x) | {r.get('flop_limit', 0):.2f}x | "
+                     f"{r.get('ratio_to_limit', 0):.2f} | {r['prefill_s']:.1f} | "
                      f"{r['decode_s']:.1f} | {r['maintenance_s']:.3f} ({100 * r['maintenance_share']:.2f} %) | "
-                     f"{r['retained_cells']} | {r['physical_span']} | {r['peak_span']} | "
+                     f"{r['retained_cells']} / {r['physical_span']} / {r['peak_span']} | "
                      f"{r['kv_bytes_real_model'] / 1e6:.0f} | {r['peak_memory_bytes'] / 1e6:.0f} |")
     return "\n".join(lines)
 
