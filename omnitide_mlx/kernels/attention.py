@@ -34,7 +34,8 @@ _NO_SEQ = np.iinfo(np.int32).max  # key_seq of a free slot: visible to no query
 SCORE_BUDGET = 1 << 25  # float32 score elements per query block of the reference path (128 MB)
 DECODE_MAX_RUNS = 128  # few query rows: up to this many runs are scored run by run instead of gathered
 RUN_SCORES_MAX_ROWS = 128  # query rows (heads per KV head x queries) up to which run-by-run scoring beats a gather
-RUN_CHUNK = 1024  # few-row blocks score longer runs in pieces: OpenBLAS with 4-7 rows measured 3-9 % faster so
+RUN_CHUNK = 1024  # decode blocks score longer runs in pieces (OpenBLAS with 4-7 rows: 3-9 % faster, measured)
+CHUNK_MAX_ROWS = 16  # query rows up to which runs are cut into RUN_CHUNK pieces (decode: the G heads of a KV head)
 METAL_EMPTY = -1.0e30  # the kernel's log-sum-exp of an empty partial (finite: Metal runs with fast math)
 
 
@@ -173,15 +174,20 @@ class _Block:
     mode: str  # "none" (no visible tile), "slice", "runs" or "gather"
     runs: tuple[tuple[int, int], ...]
     idx: mx.array | None  # gathered slots ("gather")
-    slots: mx.array | None  # the selected slots in score order (for return_scores)
     key_seq: mx.array | None  # [n] serials of the selected slots (free -> _NO_SEQ)
     mask: mx.array | None  # [tb, n] visibility when cached (small blocks); None: computed per call or not needed
     needs_mask: bool  # False when every selected key is visible to every query of the block
     keep_rows: mx.array | None  # [tb] False for queries that see no key (None: every query sees one)
-    bias: tuple[mx.array, ...] | None  # few-row blocks: per run, [g * tb, n_run] 0 / -inf, added inside addmm
+    bias: tuple[mx.array, ...] | None  # small blocks: per run, [g * tb, n_run] 0 / -inf, added inside addmm
+
+    def slots(self) -> mx.array:
+        """The selected slots in score order (for return_scores)."""
+        if self.idx is not None:
+            return self.idx
+        return mx.concatenate([mx.arange(a, b) for a, b in self.runs])
 
 
-MASK_CACHE_MAX = 1 << 20  # cache a block's visibility mask in the plan up to this many elements
+MASK_CACHE_MAX = 1 << 20  # cache a block's mask or bias in the plan up to this many elements (4 MB)
 
 
 def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
@@ -193,13 +199,13 @@ def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
     sel = plan.tile_min <= qs_np.max()  # tiles some query of the block can see
     tiles = plan.tiles[sel]
     if tiles.size == 0:
-        blk = _Block("none", (), None, None, None, None, False, None, None)
+        blk = _Block("none", (), None, None, None, False, None, None)
         plan.cache[key] = blk
         return blk
     runs = tuple(_runs(tiles, plan.tile))
     tb = i1 - i0
     few_rows = g * tb <= RUN_SCORES_MAX_ROWS
-    if few_rows:
+    if g * tb <= CHUNK_MAX_ROWS:
         runs = tuple((a, min(b, a + RUN_CHUNK)) for a0, b in runs for a in range(a0, b, RUN_CHUNK))
     if len(runs) == 1:
         mode, idx = "slice", None
@@ -213,7 +219,7 @@ def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
     key_np = plan.key_np[slot_np]
     needs_mask = bool(key_np.max() > qs_np.min())  # a hole, or a key some query of the block may not see yet
     mask = bias = None
-    if needs_mask and mode != "gather" and few_rows:
+    if needs_mask and mode != "gather" and few_rows and g * tb * key_np.size <= MASK_CACHE_MAX:
         # decode-sized: the mask becomes an additive bias that addmm adds while it scales (two ops fewer per call)
         full = np.tile(np.where(key_np[None, :] <= qs_np[:, None], 0.0, -np.inf).astype(np.float32), (g, 1))
         bias, off = [], 0
@@ -224,8 +230,8 @@ def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
     elif needs_mask and tb * key_np.size <= MASK_CACHE_MAX:
         mask = mx.array(key_np[None, :] <= qs_np[:, None])
     empty = qs_np < plan.tile_min[sel].min()  # queries that see no key: softmax of -inf rows is NaN
-    blk = _Block(mode, runs, idx, mx.array(slot_np.astype(np.int32)), mx.array(key_np.astype(np.int32)), mask,
-                 needs_mask, mx.array(~empty) if empty.any() else None, bias)
+    key_seq = plan.key_seq[runs[0][0]:runs[0][1]] if mode == "slice" else mx.array(key_np.astype(np.int32))
+    blk = _Block(mode, runs, idx, key_seq, mask, needs_mask, mx.array(~empty) if empty.any() else None, bias)
     plan.cache[key] = blk
     return blk
 
@@ -250,7 +256,7 @@ def reference_attention(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: Til
                                  scale, g, return_scores)
         outs.append(o)
         if p_sum is not None:
-            scores = scores.at[blk.slots].add(p_sum)
+            scores = scores.at[blk.slots()].add(p_sum)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     out = out.astype(out_dtype)
     return (out, scores) if return_scores else out

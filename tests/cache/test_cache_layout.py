@@ -197,14 +197,49 @@ def test_migration_memory_grows_with_rows_moved_not_with_the_cache():
 
 
 def test_the_memory_check_would_catch_a_full_copy():
-    """Control: the same scatter with the gather left lazy copies a whole buffer, and the measurement sees it."""
+    """Control: while another array still holds the buffer (here an evaluated slice view), the same gather, eval and
+    scatter must copy the whole buffer, and the measurement sees it (reference/offline_assets_and_cpu.md, 4)."""
     c = _big_cache(layers=1)
     plan = MigrationPlanner("ordered_suffix").plan(c.page_table)
     keys = c.layers[0].keys
+    view = keys[:, :, :16, :]
+    mx.eval(view)
     mx.synchronize()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     rows = keys[:, :, mx.array(plan.src.astype(np.int32)), :]
-    keys[:, :, mx.array(plan.dst.astype(np.int32)), :] = rows  # no mx.eval(rows) first
+    mx.eval(rows)
+    keys[:, :, mx.array(plan.dst.astype(np.int32)), :] = rows
     mx.eval(keys)
     assert mx.get_peak_memory() - base >= keys.nbytes
+    del view
+
+
+def test_migration_after_real_steps_stays_in_place():
+    """After prefill and decode steps (attention took views of the buffers), a migration still updates the
+    buffers in place: nothing from the steps keeps them alive."""
+    s = Stream(make_cache(layers=2, kv_heads=4, head_dim=128, placement="class_aware"), q_heads=8, seed=1)
+    policy = OmniPick(high=200, low=140)
+    rng = np.random.default_rng(0)
+    from cache_stream import media_runs
+    s.add_unit(UnitKind.SYSTEM, [(SpanKind.SYSTEM, 5)], AllocClass.MUST_KEEP, check_oracle=False)
+    planner = MigrationPlanner("class_aware")
+    for i in range(60):
+        s.add_unit(UnitKind.MEDIA, media_runs(rng), check_oracle=False)
+        if i % 4 == 3:
+            s.add_reply(3, check_oracle=False)
+        if s.maintain(policy) is None:
+            continue
+        plan = planner.plan(s.cache.page_table)
+        if plan.accepted:
+            break
+    else:
+        pytest.fail("no accepted migration in the stream")
+    buffer_bytes = s.cache.layers[0].keys.nbytes
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    s.cache.migrate(plan)
+    peak = mx.get_peak_memory() - base
+    rows_bytes = 2 * plan.src.size * s.cache.kv_heads * s.cache.head_dim * 4
+    assert peak < 2 * rows_bytes + (64 << 10) < buffer_bytes, (peak, rows_bytes, buffer_bytes)
