@@ -123,9 +123,12 @@ def plot(result: dict, path: str) -> None:
             ax.plot(ev, dec / 1000, ":", color=COLORS[name], label="decode")
         g = result.get("goals", {}).get("omnipage_share_session", {})
         if g:
-            ax.text(0.02, 0.97, "OmniPage share of eager's gain: prefill "
-                    f"{g['prefill']['share']}, decode {g['decode']['share']}", transform=ax.transAxes, fontsize=8,
-                    va="top")
+            pre = g["prefill"]
+            text = (f"OmniPage share of eager's prefill gain: {pre['share']} (goal {g['goal']}); decode "
+                    f"{g['decode']['share']}" if g.get("applicable") else
+                    f"no gain to capture: eager visits {100 * (pre['eager_key_reduction'] or 0):.1f} % fewer prefill "
+                    "keys than native")
+            ax.text(0.02, 0.97, text, transform=ax.transAxes, fontsize=8, va="top")
         ax.set_xlabel("session event")
         ax.set_ylabel("cumulative attention time, s")
         ax.set_title("(e) attention under identical retention (OmniPick)", fontsize=10)

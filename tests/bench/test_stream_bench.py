@@ -164,3 +164,18 @@ def test_mlx_lm_checkpoint_state():
     assert rot.layout()["retained_cells"] == 199 + 77
     rot.restore()
     assert rot.caches[0].offset == 1000
+
+
+def test_session_and_cost_limits(tiny_run):
+    """Sessions carry FLOP counts and limits against full context; update rows the cost-weighted limit."""
+    result, _ = tiny_run
+    sess = {r["policy"]: r for r in result["rows"] if r["kind"] == "session"}
+    assert sess["full"]["flop_limit"] == 1.0 and sess["omnitide"]["flop_limit"] > 1.0
+    assert sess["mlx_kvcache"]["flops"] >= sess["full"]["flops"]  # SDPA scores every key, masked or not
+    trio = {r["policy"]: r for r in result["rows"] if r["kind"] == "attention_session"}
+    assert all(r["prefill_keys_visited"] > 0 and r["decode_keys_visited"] > 0 for r in trio.values())
+    for r in result["rows"]:
+        if r["kind"] == "update":
+            assert r["cpu_cost_limit"] > 0
+            if r["policy"] == "full":
+                assert r["cpu_cost_limit"] == pytest.approx(1.0, abs=1e-3)
