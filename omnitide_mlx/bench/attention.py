@@ -174,86 +174,88 @@ def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_d
 def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: int, chunk: int,
                      dtype=mx.float32, sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None,
                      log=None) -> list[dict]:
-    """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode. The calls of one phase are
-    timed interleaved (common.time_interleaved)."""
+    """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode."""
     rng = np.random.default_rng(seed)
-    scale = head_dim ** -0.5
-    rows: list[dict] = []
-    base = {"history": cp.history, "full_context_tokens": cp.full_context_tokens, "retained": cp.retained}
-
-    def emit(row):
-        rows.append(row)
-        if log:
-            log(row)
-
     flush = cache_flusher()  # every call starts with cold caches, as a layer's attention does inside a model
     migration_ms = {}  # per layout: one layer's time for its latest migration (None: it never migrated)
     for name, mig in cp.migrations.items():
         migration_ms[name] = (_time_migration(mig[0], mig[1], kv_heads, head_dim, dtype, rng, reps or 5).median_ms
                               if mig and name != "native" else None)
+    rows: list[dict] = []
     for phase, t in (("prefill", chunk), ("decode", 1)):
-        q = _random((1, q_heads, t, head_dim), rng, dtype)
-        calls, info = {}, {}
-        # dense full-context baseline: the chunk over the whole no-slide history
-        keys = cp.full_context_tokens + t
-        dense_plan, cap = _contiguous_plan(keys, t, 64 if phase == "prefill" else 32)
-        dk = _random((1, kv_heads, cap, head_dim), rng, dtype)
-        dv = _random((1, kv_heads, cap, head_dim), rng, dtype)
-        calls["full_reference"] = lambda: tile_skip_attention(q, dk, dv, scale=scale, plan=dense_plan)
-        if phase == "decode" or cp.full_context_tokens <= sdpa_max_history:
-            calls["full_sdpa"] = lambda: _sdpa_blocks(q, dk, dv, keys, scale)
-        # tile-skip over each layout, with the chunk (or the decoded token) allocated into it. All layouts read one
-        # K/V buffer pair (padded to the largest capacity with free slots, which no tile covers): measured, a
-        # buffer of its own made whichever layout allocated first ~3-4 % slower (memory placement, not the layout)
-        tables = {}
-        for name in LAYOUT_NAMES:
-            table = cp.tables[name].copy()
-            tables[name] = (table, table.allocate(t, _NEW_UID, AllocClass.RECENT_CONTEXT))
-        shared = max(table.capacity for table, _ in tables.values())
-        k = _random((1, kv_heads, shared, head_dim), rng, dtype)
-        v = _random((1, kv_heads, shared, head_dim), rng, dtype)
-        for name, (table, slots) in tables.items():
-            tiles = table.active_pages() if phase == "prefill" else table.active_subblocks()
-            tile = table.page_size if phase == "prefill" else table.subblock_size
-            seq = np.full(shared, -1, dtype=np.int64)
-            seq[: table.capacity] = table.seq
-            plan = plan_tiles(seq, table.seq[slots], tiles, tile)
-            calls[name] = (lambda plan=plan: tile_skip_attention(q, k, v, scale=scale, plan=plan))
-            info[name] = (plan, tile, table.stats())
-        mx.eval(q, dk, dv, k, v)
-        timings = time_interleaved(calls, reps, flush)
-        ref, sdpa = timings["full_reference"], timings.get("full_sdpa")
-        best, impl = (ref, "reference") if sdpa is None or ref.median_ms <= sdpa.median_ms else (sdpa, "sdpa")
-        full_ms = best.median_ms
-        full_cpu = best.cpu_median_ms
-        emit({**base, "phase": phase, "layout": "full", "chunk_tokens": t, "active_slots": keys, "tiles": None,
-              "tile": None, "median_ms": round(full_ms, 3), "timing": best.to_json(), "impl": impl,
-              "reference_ms": round(ref.median_ms, 3), "sdpa_ms": round(sdpa.median_ms, 3) if sdpa else None,
-              "speedup_vs_full": 1.0, "limit": 1.0, "ratio_to_limit": 1.0, "cpu_speedup_vs_full": 1.0,
-              "cpu_ratio_to_limit": 1.0})
-        for name in LAYOUT_NAMES:
-            plan, tile, stats = info[name]
-            tm = timings[name]
-            lim = limit(phase, keys, plan.active_slots, t)
-            speed = full_ms / tm.median_ms
-            row = {**base, "phase": phase, "layout": name, "chunk_tokens": t, "active_slots": plan.active_slots,
-                   "tiles": plan.n_tiles, "tile": tile, "physical_span": stats.physical_span,
-                   "median_ms": round(tm.median_ms, 3), "timing": tm.to_json(), "impl": "reference",
-                   "speedup_vs_full": round(speed, 3), "limit": round(lim, 3),
-                   "ratio_to_limit": round(speed / lim, 3),
-                   "cpu_speedup_vs_full": round(full_cpu / tm.cpu_median_ms, 3),
-                   "cpu_ratio_to_limit": round(full_cpu / tm.cpu_median_ms / lim, 3)}
-            mig = cp.migrations.get(name)
-            if name != "native":
-                row["last_migration_rows"] = int(mig[1].src.size) if mig else 0
-                row["last_migration_ms"] = round(migration_ms[name] or 0.0, 3)
-                row["migrations_per_update"] = round(cp.migration_rate[name], 4)
-                row["migration_ms"] = round(row["last_migration_ms"] * cp.migration_rate[name], 3)
-                if name == "omnipage":
-                    with_mig = tm.median_ms + (row["migration_ms"] if phase == "prefill" else 0.0)
-                    row["median_ms_with_migration"] = round(with_mig, 3)
-            emit(row)
-        del calls, info, dk, dv, k, v
+        for row in _bench_phase(cp, phase, t, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                sdpa_max_history=sdpa_max_history, rng=rng, reps=reps, flush=flush,
+                                migration_ms=migration_ms):
+            rows.append(row)
+            if log:
+                log(row)
+    return rows
+
+
+def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_dim, dtype, sdpa_max_history, rng,
+                 reps, flush, migration_ms) -> list[dict]:
+    """The rows of one phase; its calls are timed interleaved (common.time_interleaved)."""
+    scale = head_dim ** -0.5
+    base = {"history": cp.history, "full_context_tokens": cp.full_context_tokens, "retained": cp.retained}
+    q = _random((1, q_heads, t, head_dim), rng, dtype)
+    calls, info = {}, {}
+    # dense full-context baseline: the chunk over the whole no-slide history
+    keys = cp.full_context_tokens + t
+    dense_plan, cap = _contiguous_plan(keys, t, 64 if phase == "prefill" else 32)
+    dk = _random((1, kv_heads, cap, head_dim), rng, dtype)
+    dv = _random((1, kv_heads, cap, head_dim), rng, dtype)
+    calls["full_reference"] = lambda: tile_skip_attention(q, dk, dv, scale=scale, plan=dense_plan)
+    if phase == "decode" or cp.full_context_tokens <= sdpa_max_history:
+        calls["full_sdpa"] = lambda: _sdpa_blocks(q, dk, dv, keys, scale)
+    # tile-skip over each layout, with the chunk (or the decoded token) allocated into it. All layouts read one K/V
+    # buffer pair (padded to the largest capacity with free slots, which no tile covers): measured, a buffer of its
+    # own made whichever layout allocated first ~3-4 % slower (memory placement, not the layout)
+    tables = {}
+    for name in LAYOUT_NAMES:
+        table = cp.tables[name].copy()
+        tables[name] = (table, table.allocate(t, _NEW_UID, AllocClass.RECENT_CONTEXT))
+    shared = max(table.capacity for table, _ in tables.values())
+    k = _random((1, kv_heads, shared, head_dim), rng, dtype)
+    v = _random((1, kv_heads, shared, head_dim), rng, dtype)
+    for name, (table, slots) in tables.items():
+        tiles = table.active_pages() if phase == "prefill" else table.active_subblocks()
+        tile = table.page_size if phase == "prefill" else table.subblock_size
+        seq = np.full(shared, -1, dtype=np.int64)
+        seq[: table.capacity] = table.seq
+        plan = plan_tiles(seq, table.seq[slots], tiles, tile)
+        calls[name] = (lambda plan=plan: tile_skip_attention(q, k, v, scale=scale, plan=plan))
+        info[name] = (plan, tile, table.stats())
+    mx.eval(q, dk, dv, k, v)
+    timings = time_interleaved(calls, reps, flush)
+    ref, sdpa = timings["full_reference"], timings.get("full_sdpa")
+    best, impl = (ref, "reference") if sdpa is None or ref.median_ms <= sdpa.median_ms else (sdpa, "sdpa")
+    full_ms, full_cpu = best.median_ms, best.cpu_median_ms
+    rows = [{**base, "phase": phase, "layout": "full", "chunk_tokens": t, "active_slots": keys, "tiles": None,
+             "tile": None, "median_ms": round(full_ms, 3), "timing": best.to_json(), "impl": impl,
+             "reference_ms": round(ref.median_ms, 3), "sdpa_ms": round(sdpa.median_ms, 3) if sdpa else None,
+             "speedup_vs_full": 1.0, "limit": 1.0, "ratio_to_limit": 1.0, "cpu_speedup_vs_full": 1.0,
+             "cpu_ratio_to_limit": 1.0}]
+    for name in LAYOUT_NAMES:
+        plan, tile, stats = info[name]
+        tm = timings[name]
+        lim = limit(phase, keys, plan.active_slots, t)
+        speed = full_ms / tm.median_ms
+        row = {**base, "phase": phase, "layout": name, "chunk_tokens": t, "active_slots": plan.active_slots,
+               "tiles": plan.n_tiles, "tile": tile, "physical_span": stats.physical_span,
+               "median_ms": round(tm.median_ms, 3), "timing": tm.to_json(), "impl": "reference",
+               "speedup_vs_full": round(speed, 3), "limit": round(lim, 3), "ratio_to_limit": round(speed / lim, 3),
+               "cpu_speedup_vs_full": round(full_cpu / tm.cpu_median_ms, 3),
+               "cpu_ratio_to_limit": round(full_cpu / tm.cpu_median_ms / lim, 3)}
+        mig = cp.migrations.get(name)
+        if name != "native":
+            row["last_migration_rows"] = int(mig[1].src.size) if mig else 0
+            row["last_migration_ms"] = round(migration_ms[name] or 0.0, 3)
+            row["migrations_per_update"] = round(cp.migration_rate[name], 4)
+            row["migration_ms"] = round(row["last_migration_ms"] * cp.migration_rate[name], 3)
+            if name == "omnipage":
+                with_mig = tm.median_ms + (row["migration_ms"] if phase == "prefill" else 0.0)
+                row["median_ms_with_migration"] = round(with_mig, 3)
+        rows.append(row)
     return rows
 
 

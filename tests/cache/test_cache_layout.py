@@ -8,7 +8,7 @@ from cache_stream import Stream, make_cache, run_session
 from omnitide_mlx.cache import CacheError, OmniCache
 from omnitide_mlx.core.page import AllocClass, MigrationPlanner, PageTable
 from omnitide_mlx.core.pick import OmniPick, plan_from_mask
-from omnitide_mlx.core.units import History, Span, SpanKind, Unit, UnitKind
+from omnitide_mlx.core.units import History, SpanKind, Unit, UnitKind
 from omnitide_mlx.rope import RopeSpec
 
 LAYOUTS = {

@@ -3,7 +3,6 @@
 import json
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from omnitide_mlx.bench import attention as ba
