@@ -209,6 +209,11 @@ class OmniCache:
             raise CacheError(f"owner uid must be a non-negative int, got {uid!r}")
         self._owner = (int(uid), AllocClass(alloc_class))
 
+    @property
+    def in_step(self) -> bool:
+        """Whether a step is open (between begin_step and end_step / abort_step)."""
+        return self._step is not None
+
     def begin_step(self, tokens: int) -> np.ndarray:
         """Allocate ``tokens`` slots for the owner and plan this step's attention; returns the slots."""
         if self._step is not None:

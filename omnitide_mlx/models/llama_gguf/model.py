@@ -13,40 +13,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ...rope import RopeSpec
+from ..attention import cached_attention, forward_step, rope_at, sequential_positions
 from ..base import KVSpec
 from .gguf_file import LlamaConfig
-
-
-def _is_omni_cache(cache) -> bool:
-    return cache is not None and hasattr(cache, "begin_step") and hasattr(cache, "end_step")
-
-
-def rope_at(x: mx.array, positions: int | mx.array, dims: int, base: float) -> mx.array:
-    """Traditional RoPE on ``x`` [1, H, T, D] at a start offset (contiguous tokens) or per-token positions [T]."""
-    if isinstance(positions, int):
-        return mx.fast.rope(x, dims, traditional=True, base=base, scale=1.0, offset=positions)
-    b, h, t, d = x.shape
-    y = x.transpose(2, 0, 1, 3).reshape(t, b * h, 1, d)
-    y = mx.fast.rope(y, dims, traditional=True, base=base, scale=1.0, offset=positions.astype(mx.int32))
-    return y.reshape(t, b, h, d).transpose(1, 2, 0, 3)
-
-
-def normalize_positions(positions, length: int, cache) -> int | mx.array:
-    """An int start when the ``length`` new tokens are contiguous, else an int32 array of their positions."""
-    if positions is None:
-        if cache is None:
-            return 0
-        if _is_omni_cache(cache):
-            raise ValueError("pass positions explicitly with an OmniCache (the cache stores no logical positions)")
-        return int(cache[0].offset)
-    if isinstance(positions, (int, np.integer)):
-        return int(positions)
-    p = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if p.shape[0] != length:
-        raise ValueError(f"{p.shape[0]} positions for {length} tokens")
-    if length and np.array_equal(p, p[0] + np.arange(length)):
-        return int(p[0])
-    return mx.array(p.astype(np.int32))
 
 
 class Attention(nn.Module):
@@ -65,14 +34,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = rope_at(q, positions, self.head_dim, self.rope_base)
-        k = rope_at(k, positions, self.head_dim, self.rope_base)
-        if cache is not None and hasattr(cache, "attend"):  # OmniLayerCache
-            out = cache.attend(q, k, v, self.scale)
-        else:
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal" if t > 1 else None)
+        q = rope_at(q, positions, self.head_dim, self.rope_base, traditional=True)
+        k = rope_at(k, positions, self.head_dim, self.rope_base, traditional=True)
+        out = cached_attention(q, k, v, cache, self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
@@ -129,15 +93,10 @@ class LanguageModel(nn.Module):
     def hidden_states(self, inputs_embeds: mx.array, cache=None, positions=None) -> mx.array:
         h = inputs_embeds if inputs_embeds.ndim == 3 else inputs_embeds[None]
         t = h.shape[1]
-        pos = normalize_positions(positions, t, cache)
-        omni = _is_omni_cache(cache)
-        if omni:
-            cache.begin_step(t)
-        layer_caches = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, layer_caches):
-            h = layer(h, pos, c)
-        if omni:
-            cache.end_step()
+        pos = sequential_positions(positions, t, cache)
+        with forward_step(cache, t, len(self.layers)) as layer_caches:
+            for layer, c in zip(self.layers, layer_caches):
+                h = layer(h, pos, c)
         return self.model.norm(h)
 
     def __call__(self, inputs_embeds: mx.array, cache=None, positions=None, last_only: bool = False) -> mx.array:

@@ -8,46 +8,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ...rope import RopeSpec
+from ..attention import cached_attention, forward_step, rope_at, sequential_positions
 from .config import TextConfig
-
-
-def _is_omni_cache(cache) -> bool:
-    return cache is not None and hasattr(cache, "begin_step") and hasattr(cache, "end_step")
-
-
-def rope_at(x: mx.array, positions: int | mx.array, dims: int, base: float) -> mx.array:
-    """NeoX RoPE on ``x`` [B, H, T, D] at ``positions``: a start offset (contiguous tokens) or one position per
-    token ([T] int array)."""
-    if isinstance(positions, int):
-        return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=positions)
-    b, h, t, d = x.shape
-    y = x.transpose(2, 0, 1, 3).reshape(t, b * h, 1, d)
-    y = mx.fast.rope(y, dims, traditional=False, base=base, scale=1.0, offset=positions.astype(mx.int32))
-    return y.reshape(t, b, h, d).transpose(1, 2, 0, 3)
-
-
-def normalize_positions(positions, length: int, cache) -> int | mx.array:
-    """The RoPE positions of ``length`` new tokens: an int start when they are contiguous, else an int32 array.
-
-    ``positions`` may be None (continue after the cache), an int start, or a [T] / [1, T] array.
-    """
-    if positions is None:
-        if cache is None:
-            return 0
-        if _is_omni_cache(cache):
-            raise ValueError("pass positions explicitly with an OmniCache (the cache stores no logical positions)")
-        return int(cache[0].offset)
-    if isinstance(positions, (int, np.integer)):
-        return int(positions)
-    p = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if p.shape[0] != length:
-        raise ValueError(f"{p.shape[0]} positions for {length} tokens")
-    if length and np.array_equal(p, p[0] + np.arange(length)):
-        return int(p[0])
-    return mx.array(p.astype(np.int32))
 
 
 class Attention(nn.Module):
@@ -73,13 +37,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q = rope_at(q, positions, self.head_dim, self.rope_base)
         k = rope_at(k, positions, self.head_dim, self.rope_base)
-        if cache is not None and hasattr(cache, "attend"):  # OmniLayerCache
-            out = cache.attend(q, k, v, self.scale)
-        else:
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                       mask="causal" if t > 1 else None)
+        out = cached_attention(q, k, v, cache, self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
@@ -139,18 +97,11 @@ class LanguageModel(nn.Module):
         if inputs_embeds.ndim == 2:
             inputs_embeds = inputs_embeds[None]
         t = inputs_embeds.shape[1]
-        pos = normalize_positions(positions, t, cache)
-        omni = _is_omni_cache(cache)
-        if omni:
-            cache.begin_step(t)
-            layer_caches = cache  # OmniCache iterates its OmniLayerCaches
-        else:
-            layer_caches = cache if cache is not None else [None] * len(self.model.layers)
+        pos = sequential_positions(positions, t, cache)
         h = inputs_embeds
-        for layer, c in zip(self.model.layers, layer_caches):
-            h = layer(h, pos, c)
-        if omni:
-            cache.end_step()
+        with forward_step(cache, t, len(self.model.layers)) as layer_caches:
+            for layer, c in zip(self.model.layers, layer_caches):
+                h = layer(h, pos, c)
         return self.model.norm(h)
 
     def __call__(self, inputs_embeds: mx.array, cache=None, positions=None, last_only: bool = False) -> mx.array:

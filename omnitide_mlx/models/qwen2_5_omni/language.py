@@ -15,12 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...cache import OmniCache
+from ..attention import cached_attention, forward_step
 from .config import TextConfig
-
-try:  # OmniCache is optional here: mlx-lm caches and None work without it
-    from ...cache import OmniCache, OmniLayerCache
-except ImportError:  # pragma: no cover - only before omnitide_mlx/cache.py exists
-    OmniCache = OmniLayerCache = ()
 
 
 def rotate_half(x: mx.array) -> mx.array:
@@ -59,14 +56,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if isinstance(cache, OmniLayerCache):
-            out = cache.attend(q, k, v, self.scale)
-        else:
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)
-            if mask is None:
-                mask = "causal" if t > 1 else None
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = cached_attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
@@ -146,15 +136,9 @@ class LanguageModel(nn.Module):
         cos, sin = mrope_cos_sin(pos, self._inv_freq, self.args.mrope_section, h.dtype)
         if pos.ndim == 3:  # per-sequence positions: [B, 1, T, hd] against [B, heads, T, hd]
             cos, sin = cos[:, None], sin[:, None]
-        if isinstance(cache, OmniCache):
-            cache.begin_step(t)
-            layer_caches = cache.layers
-        else:
-            layer_caches = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, layer_caches):
-            h = layer(h, cos, sin, c, mask)
-        if isinstance(cache, OmniCache):
-            cache.end_step()
+        with forward_step(cache, t, len(self.layers)) as layer_caches:
+            for layer, c in zip(self.layers, layer_caches):
+                h = layer(h, cos, sin, c, mask)
         return self.model.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:

@@ -14,7 +14,7 @@ from omnitide_mlx.core.units import History, SpanKind
 from omnitide_mlx.models.audio_features import log_mel
 from omnitide_mlx.models.minicpmo.simplex import SimplexSession
 from omnitide_mlx.models.minicpmo.audio import WhisperStreamCache
-from omnitide_mlx.models.minicpmo.language import rope_at
+from omnitide_mlx.models.attention import rope_at
 
 from ._helpers import max_diff
 
