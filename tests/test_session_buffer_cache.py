@@ -1,8 +1,6 @@
 """OmniSession on the CPU keeps freed MLX buffers for reuse (MLX's CPU default is 32 MiB), so an update's large
 temporaries are not page-faulted in again at every update."""
 
-import resource
-
 import mlx.core as mx
 import pytest
 
@@ -34,23 +32,23 @@ def test_a_session_raises_the_limit_and_never_lowers_it(cache_limit):
     assert cache_limit() == 8 << 30
 
 
-def test_kept_buffers_are_not_faulted_in_again(cache_limit):
-    """The same 200 MB of temporaries, twice: with MLX's default the second time faults its pages in again, with
-    the session's limit it reuses them."""
+def test_freed_temporaries_stay_in_the_cache(cache_limit):
+    """The same 200 MB of temporaries: with MLX's CPU default they go back to the OS when freed (so the next
+    update page-faults them in again); with the session's limit MLX keeps them for reuse. Checked on MLX's own
+    cache accounting: page-fault counts depend on the kernel (transparent huge pages) and are left to benchmarks."""
     a = mx.random.normal((1024, 1024))
     b = mx.random.normal((1024, 25600))
     mx.eval(a, b)
 
-    def faults_of_second_run() -> int:
+    def cached_after_run() -> int:
         mx.clear_cache()
-        for i in range(2):
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            y = a @ b
-            mx.eval(y * y)
-            del y
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        y = a @ b
+        mx.eval(y * y)
+        del y
+        return mx.get_cache_memory()
 
-    default = faults_of_second_run()
+    default = cached_after_run()
     keep_cpu_buffers()
-    kept = faults_of_second_run()
-    assert default > 20_000 and kept < default / 10
+    kept = cached_after_run()
+    assert default <= 32 << 20
+    assert kept >= 100 << 20
