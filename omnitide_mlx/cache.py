@@ -23,25 +23,19 @@ stores no positions: the History does. A cache's tokens in ``seq`` order are the
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from .core.page import AllocClass, LayoutError, LayoutStats, MigrationPlan, PageTable, check_move_order
+from .core.paged_cache import CACHE_FORMAT, CacheError, PagedKVCache
 from .kernels import DECODE_TILE, PREFILL_TILE, TilePlan, page_compact, plan_tiles, tile_skip_attention
 from .rope import RopeSpec
 
-CACHE_FORMAT = "omnitide-cache/1"
+__all__ = ["CACHE_FORMAT", "DECODE_MAX_TOKENS", "CacheError", "OmniCache", "OmniLayerCache", "stochastic_round"]
+
 DECODE_MAX_TOKENS = 19  # steps of fewer than 20 tokens take the decode path (32-slot subblocks), as llama.cpp does
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-class CacheError(ValueError):
-    """Misuse of the cache: a step left open, shapes that do not match, a plan for another layout, ..."""
-
 
 def stochastic_round(y: mx.array, dtype, key: mx.array) -> mx.array:
     """Round float32 ``y`` to ``dtype`` (float16 / bfloat16) up or down with probabilities that make the result
@@ -59,13 +53,6 @@ def stochastic_round(y: mx.array, dtype, key: mx.array) -> mx.array:
     gap = mx.abs(other.astype(mx.float32) - base)
     p = mx.where(gap > 0, mx.abs(rest) / mx.maximum(gap, 1e-38), 0.0)
     return mx.where(mx.random.uniform(shape=y.shape, key=key) < p, other, near)
-
-
-def _dtype_name(dtype) -> str:
-    for name, d in _DTYPES.items():
-        if d == dtype:
-            return name
-    raise CacheError(f"KV dtype must be float16, bfloat16 or float32, got {dtype}")
 
 
 @dataclass
@@ -132,8 +119,9 @@ class OmniLayerCache:
             self.values = mx.concatenate([self.values, pad], axis=2)
 
 
-class OmniCache:
-    """Per-layer paged K/V buffers with one shared page table (see the module docstring for the protocol).
+class OmniCache(PagedKVCache):
+    """Per-layer paged K/V buffers with one shared page table (see the module docstring for the protocol); the
+    bookkeeping is :class:`~omnitide_mlx.core.paged_cache.PagedKVCache`'s, shared with the torch cache.
 
     ``placement``: ``"class_aware"`` (OmniPage: new tokens never share a page with another class) or
     ``"first_fit"`` (a plain cache: new tokens fill any hole). ``grow_pages``: buffers grow by at least this many
@@ -143,34 +131,20 @@ class OmniCache:
     or "nearest" for comparison).
     """
 
+    DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+    STATE_NAME = "OmniCache"
+
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, rope: RopeSpec | None = None,
                  dtype=mx.float16, *, page_size: int = PREFILL_TILE, subblock_size: int = DECODE_TILE,
                  placement: str = "class_aware", grow_pages: int = 4, collect_scores: bool = False,
                  rounding: str = "stochastic", seed: int = 0):
-        for name, val in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                          ("grow_pages", grow_pages)):
-            if not isinstance(val, (int, np.integer)) or val <= 0:
-                raise CacheError(f"{name} must be a positive int, got {val!r}")
-        _dtype_name(dtype)
-        if rounding not in ("stochastic", "nearest"):
-            raise CacheError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
-        self.rounding = rounding
-        self.seed = int(seed)
-        self.evictions = 0  # evict() calls so far (also numbers the rounding streams: reproducible)
-        self.num_layers, self.kv_heads, self.head_dim = int(num_layers), int(kv_heads), int(head_dim)
-        self.rope = rope
-        self.dtype = dtype
-        self.grow_pages = int(grow_pages)
-        self.collect_scores = bool(collect_scores)
-        self.table = PageTable(page_size, subblock_size, placement=placement)
+        super().__init__(num_layers, kv_heads, head_dim, rope, dtype, page_size=page_size,
+                         subblock_size=subblock_size, placement=placement, grow_pages=grow_pages,
+                         collect_scores=collect_scores, rounding=rounding, seed=seed)
         self.layers = [OmniLayerCache(self, i) for i in range(self.num_layers)]
-        self._capacity = 0  # slots backed by the buffers (>= table.capacity)
-        self._owner: tuple[int, AllocClass] | None = None
         self._step: _Step | None = None
         self._scores = np.zeros(0, dtype=np.float32)  # accumulated attention per slot (collect_scores)
         self._step_scores: mx.array | None = None
-        self.moved_rows = 0  # entries copied by migrations so far
-        self.rotated_rows = 0  # kept keys re-rotated by evictions so far
 
     @classmethod
     def for_spec(cls, spec, dtype=mx.float16, **kw) -> "OmniCache":
@@ -187,44 +161,14 @@ class OmniCache:
     def __iter__(self):
         return iter(self.layers)
 
-    @property
-    def page_table(self) -> PageTable:
-        return self.table
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def retained(self) -> int:
-        return self.table.retained
-
-    # --- one forward step -------------------------------------------------------------------------------------
-    def set_owner(self, uid: int, alloc_class: AllocClass | int = AllocClass.RECENT_CONTEXT) -> None:
-        """The unit (and allocation class) the next written tokens belong to. Decode steps of a reply keep the
-        reply's uid: their tokens append to that unit in order."""
-        if self._step is not None:
-            raise CacheError("set_owner() inside an open step")
-        if not isinstance(uid, (int, np.integer)) or uid < 0:
-            raise CacheError(f"owner uid must be a non-negative int, got {uid!r}")
-        self._owner = (int(uid), AllocClass(alloc_class))
-
-    @property
-    def in_step(self) -> bool:
-        """Whether a step is open (between begin_step and end_step / abort_step)."""
-        return self._step is not None
-
+    # --- one forward step (set_owner: PagedKVCache) -------------------------------------------------------------
     def begin_step(self, tokens: int) -> np.ndarray:
         """Allocate ``tokens`` slots for the owner and plan this step's attention; returns the slots."""
         if self._step is not None:
             raise CacheError("begin_step() while a step is open: call end_step() first")
         if self._owner is None:
             raise CacheError("begin_step() before set_owner(uid, alloc_class)")
-        if not isinstance(tokens, (int, np.integer)) or tokens <= 0:
-            raise CacheError(f"a step writes a positive number of tokens, got {tokens!r}")
-        uid, cls = self._owner
-        slots = self.table.allocate(int(tokens), uid, cls)
-        self._ensure_capacity(self.table.capacity)
+        slots = self._allocate_step(tokens)
         decode = tokens <= DECODE_MAX_TOKENS
         tiles = self.table.active_subblocks() if decode else self.table.active_pages()
         tile = self.table.subblock_size if decode else self.table.page_size
@@ -258,60 +202,12 @@ class OmniCache:
         self._step_scores = None
         self.table.free(step.slots)
 
-    def _slot_seq(self) -> np.ndarray:
-        seq = self.table.seq
-        if seq.shape[0] == self._capacity:
-            return seq
-        out = np.full(self._capacity, -1, dtype=np.int64)
-        out[: seq.shape[0]] = seq
-        return out
-
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed <= self._capacity:
-            return
-        page = self.table.page_size
-        new = max(needed, self._capacity + self.grow_pages * page)
-        new = -(-new // page) * page
+    def _grow_buffers(self, capacity: int) -> None:
         for layer in self.layers:
-            layer._grow(new)
-        self._scores = np.concatenate([self._scores, np.zeros(new - self._capacity, dtype=np.float32)])
-        self._capacity = new
+            layer._grow(capacity)
+        self._scores = np.concatenate([self._scores, np.zeros(capacity - self._capacity, dtype=np.float32)])
 
-    # --- eviction -----------------------------------------------------------------------------------------------
-    def logical_slots(self) -> np.ndarray:
-        """The occupied slots in logical (seq) order: slot of the history's k-th token."""
-        seq = self.table.seq
-        occ = np.flatnonzero(seq >= 0)
-        return occ[np.argsort(seq[occ], kind="stable")]
-
-    def slots_of_unit(self, uid: int) -> np.ndarray:
-        return self.table.slots_of_unit(uid)
-
-    def evict(self, plan, history=None) -> np.ndarray:
-        """Apply a :class:`~omnitide_mlx.core.pick.RetentionPlan`: free the deleted tokens' slots and re-rotate each
-        kept key by ``-shift`` once, in float32, with the model's RopeSpec. ``history`` is the history the plan was
-        made for (before ``apply_plan``); when given, the cache is checked against it. Returns the freed slots."""
-        if self._step is not None:
-            raise CacheError("evict() inside an open step")
-        if history is not None:
-            plan.validate(history)
-            self.table.check_history(history)
-        order = self.logical_slots()
-        if order.size != plan.tokens_before:
-            raise CacheError(f"the cache holds {order.size} tokens, the plan was made for {plan.tokens_before}")
-        shifts = plan.kept_token_shifts()
-        kept = order[plan.keep_mask()]
-        moving = shifts != 0
-        if moving.any():
-            if self.rope is None:
-                raise CacheError("this plan shifts positions, but the cache has no RopeSpec to re-rotate keys")
-            self._rerotate(kept[moving], shifts[moving])
-        freed = self.table.apply_retention(plan)
-        self.evictions += 1
-        if self.collect_scores and freed.size:
-            self._scores[freed] = 0.0
-        return freed
-
+    # --- eviction (evict: PagedKVCache) -------------------------------------------------------------------------
     def _rerotate(self, slots: np.ndarray, shifts: np.ndarray) -> None:
         """Rotate the keys at ``slots`` by ``-shifts`` (one rotation per key, float32, one rounding back)."""
         idx = mx.array(slots.astype(np.int32))
@@ -320,166 +216,74 @@ class OmniCache:
             rows = layer.keys[:, :, idx, :][0].transpose(1, 0, 2)  # [n, Hkv, D]
             rot = self.rope.rotate_tokens(rows, offsets)
             if self.rounding == "stochastic":
-                key = mx.random.key((self.seed * 1_000_003 + self.evictions) * 4096 + layer.index)
-                rot = stochastic_round(rot, self.dtype, key)
+                rot = stochastic_round(rot, self.dtype, mx.random.key(self._rounding_seed(layer.index)))
             rot = rot.astype(self.dtype).transpose(1, 0, 2)[None]
             mx.eval(rot)  # evaluated before the scatter: the buffer is then updated in place, not copied
             layer.keys[:, :, idx, :] = rot
             mx.eval(layer.keys)
-        self.rotated_rows += int(slots.size)
 
-    # --- migration ----------------------------------------------------------------------------------------------
-    def migrate(self, plan: MigrationPlan) -> int:
-        """Execute an accepted OmniPage migration plan on every layer: gather the moved rows into scratch, evaluate
-        them, scatter them into the cache's own buffers in place; then move the metadata. Returns rows moved."""
-        if self._step is not None:
-            raise CacheError("migrate() inside an open step")
-        if not plan.accepted:
-            raise CacheError(f"migration plan ({plan.mode}) was not accepted: {plan.reason}")
-        if plan.before != self.table.stats():
-            raise CacheError("migration plan was made for a different layout (plan it on this cache's table, now)")
-        check_move_order(plan.src, plan.dst, self.table.occupancy())
-        if plan.src.size:
-            dst = mx.array(plan.dst.astype(np.int32))
-            for layer in self.layers:
-                k_rows, v_rows = page_compact(layer.keys, layer.values, plan.src)
-                mx.eval(k_rows, v_rows)
-                layer.keys[:, :, dst, :] = k_rows
-                layer.values[:, :, dst, :] = v_rows
-                del k_rows, v_rows
-                mx.eval(layer.keys, layer.values)
-            if self.collect_scores:
-                moved = self._scores[plan.src].copy()
-                self._scores[plan.src] = 0.0
-                self._scores[plan.dst] = moved
-        self.table.apply_migration(plan)
-        self.moved_rows += int(plan.src.size)
-        return int(plan.src.size)
+    def _zero_scores(self, slots: np.ndarray) -> None:
+        self._scores[slots] = 0.0
 
-    def migration_bytes(self, plan: MigrationPlan) -> int:
-        """K and V bytes a plan copies across all layers."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size * int(plan.src.size)
-
-    # --- H2O ----------------------------------------------------------------------------------------------------
-    def token_scores(self, history=None) -> np.ndarray:
-        """Accumulated attention per token of the history, in logical order (needs ``collect_scores``)."""
-        if not self.collect_scores:
-            raise CacheError("token_scores() needs OmniCache(..., collect_scores=True)")
-        if history is not None:
-            self.table.check_history(history)
-        return self._scores[self.logical_slots()].copy()
-
-    # --- introspection ------------------------------------------------------------------------------------------
-    def layout_stats(self) -> LayoutStats:
-        return self.table.stats()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the K/V buffers (allocated capacity, all layers)."""
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size
-
-    def stats(self) -> dict:
-        """Layout (retained cells, physical span, active pages / subblocks, holes, capacity) and KV bytes."""
-        s = self.table.stats().to_json()
-        s.update(buffer_capacity=self._capacity, kv_bytes=self.nbytes,
-                 kv_bytes_retained=s["retained_cells"] * self.bytes_per_token,
-                 kv_bytes_span=s["physical_span"] * self.bytes_per_token,
-                 moved_rows=self.moved_rows, rotated_rows=self.rotated_rows)
-        return s
-
-    # --- persistence (safetensors + JSON, like mlx-lm prompt caches) --------------------------------------------
-    @property
-    def state(self) -> dict[str, mx.array]:
-        """Every array needed to restore the cache exactly."""
-        if self._step is not None:
-            raise CacheError("state of a cache with an open step")
-        arrays: dict[str, mx.array] = {}
+    # --- migration (migrate: PagedKVCache) --------------------------------------------------------------------
+    def _move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Per layer: gather the moved rows into scratch, evaluate them, scatter them into the cache's own buffers
+        in place (evaluating the gather first is what keeps MLX from copying the whole buffer)."""
+        dst_idx = mx.array(dst.astype(np.int32))
         for layer in self.layers:
-            if layer.keys is not None:
-                arrays[f"layers.{layer.index}.keys"] = layer.keys
-                arrays[f"layers.{layer.index}.values"] = layer.values
-        t = self.table.state()
-        for name in ("slots", "seq", "unit", "cls"):
-            arrays[f"table.{name}"] = mx.array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
+            k_rows, v_rows = page_compact(layer.keys, layer.values, src)
+            mx.eval(k_rows, v_rows)
+            layer.keys[:, :, dst_idx, :] = k_rows
+            layer.values[:, :, dst_idx, :] = v_rows
+            del k_rows, v_rows
+            mx.eval(layer.keys, layer.values)
         if self.collect_scores:
-            arrays["scores"] = mx.array(self._scores)
-        return arrays
+            moved = self._scores[src].copy()
+            self._scores[src] = 0.0
+            self._scores[dst] = moved
 
+    def _scores_at(self, slots: np.ndarray) -> np.ndarray:
+        return self._scores[slots].copy()
+
+    # --- persistence (safetensors + JSON, like mlx-lm prompt caches; state / meta_state: PagedKVCache) ---------
     @property
-    def meta_state(self) -> dict:
-        """The JSON side: configuration, page-table scalars, owner, counters."""
-        t = self.table.state()
-        return {
-            "format": CACHE_FORMAT,
-            "num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-            "dtype": _dtype_name(self.dtype),
-            "rope": self.rope.to_json() if self.rope is not None else None,
-            "grow_pages": self.grow_pages, "collect_scores": self.collect_scores,
-            "rounding": self.rounding, "seed": self.seed, "evictions": self.evictions,
-            "capacity": self._capacity,
-            "owner": list(self._owner) if self._owner is not None else None,
-            "moved_rows": self.moved_rows, "rotated_rows": self.rotated_rows,
-            "table": {k: t[k] for k in ("page_size", "subblock_size", "placement", "capacity", "next_seq",
-                                        "partial")},
-        }
+    def dtype_bytes(self) -> int:
+        return self.dtype.size
+
+    def _array(self, a: np.ndarray) -> mx.array:
+        return mx.array(a)
+
+    def _to_numpy(self, a: mx.array) -> np.ndarray:
+        return np.array(a)
+
+    def _scores_state(self) -> mx.array:
+        return mx.array(self._scores)
 
     @classmethod
-    def from_state(cls, arrays: dict[str, mx.array], meta: dict) -> "OmniCache":
-        if meta.get("format") != CACHE_FORMAT:
-            raise CacheError(f"not an OmniCache state (format {meta.get('format')!r}, want {CACHE_FORMAT!r})")
-        try:
-            tm = meta["table"]
-            cache = cls(meta["num_layers"], meta["kv_heads"], meta["head_dim"],
-                        RopeSpec.from_json(meta["rope"]) if meta["rope"] else None, _DTYPES[meta["dtype"]],
-                        page_size=tm["page_size"], subblock_size=tm["subblock_size"], placement=tm["placement"],
-                        grow_pages=meta["grow_pages"], collect_scores=meta["collect_scores"],
-                        rounding=meta["rounding"], seed=meta["seed"])
-            cache.evictions = int(meta["evictions"])
-            table_state = dict(tm)
-            for name in ("slots", "seq", "unit", "cls"):
-                table_state[name] = np.array(arrays[f"table.{name}"]).astype(np.int64).tolist()
-            cache.table = PageTable.from_state(table_state)
-            cap = int(meta["capacity"])
-            for layer in cache.layers:
-                if cap:
-                    layer.keys = arrays[f"layers.{layer.index}.keys"]
-                    layer.values = arrays[f"layers.{layer.index}.values"]
-                    want = (1, cache.kv_heads, cap, cache.head_dim)
-                    if tuple(layer.keys.shape) != want or tuple(layer.values.shape) != want:
-                        raise CacheError(f"layer {layer.index}: saved buffers are {tuple(layer.keys.shape)}, "
-                                         f"expected {want}")
-                    if layer.keys.dtype != cache.dtype or layer.values.dtype != cache.dtype:
-                        raise CacheError(f"layer {layer.index}: saved buffers are {layer.keys.dtype}, expected "
-                                         f"{cache.dtype}")
-            cache._capacity = cap
-            if cap < cache.table.capacity:
-                raise CacheError(f"buffers hold {cap} slots, the page table {cache.table.capacity}")
-            cache._scores = (np.array(arrays["scores"], dtype=np.float32) if cache.collect_scores
-                             else np.zeros(cap, dtype=np.float32))
-            cache._owner = (int(meta["owner"][0]), AllocClass(meta["owner"][1])) if meta["owner"] else None
-            cache.moved_rows, cache.rotated_rows = int(meta["moved_rows"]), int(meta["rotated_rows"])
-        except KeyError as e:
-            raise CacheError(f"incomplete OmniCache state: missing {e}") from e
-        except LayoutError as e:
-            raise CacheError(f"bad page table in the saved state: {e}") from e
-        return cache
+    def _from_meta(cls, meta: dict) -> "OmniCache":
+        tm = meta["table"]
+        return cls(meta["num_layers"], meta["kv_heads"], meta["head_dim"],
+                   RopeSpec.from_json(meta["rope"]) if meta["rope"] else None, cls.DTYPES[meta["dtype"]],
+                   page_size=tm["page_size"], subblock_size=tm["subblock_size"], placement=tm["placement"],
+                   grow_pages=meta["grow_pages"], collect_scores=meta["collect_scores"],
+                   rounding=meta["rounding"], seed=meta["seed"])
+
+    def _load_buffers(self, arrays: dict[str, mx.array], capacity: int) -> None:
+        for layer in self.layers:
+            layer.keys = arrays[f"layers.{layer.index}.keys"]
+            layer.values = arrays[f"layers.{layer.index}.values"]
+            self._check_saved_buffers(layer.index, layer.keys, layer.values, capacity)
+
+    def _load_scores(self, arrays: dict[str, mx.array], capacity: int) -> None:
+        self._scores = (np.array(arrays["scores"], dtype=np.float32) if self.collect_scores
+                        else np.zeros(capacity, dtype=np.float32))
 
     def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
         """Write the cache to one safetensors file: arrays as tensors, configuration as JSON metadata."""
-        mx.save_safetensors(str(path), self.state, {"omnitide_cache": json.dumps(self.meta_state),
-                                                    "user": json.dumps(metadata or {})})
+        mx.save_safetensors(str(path), self.state, self._file_metadata(metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike, return_metadata: bool = False):
         """Restore a cache written by :meth:`save` (and the user metadata when asked)."""
         arrays, meta = mx.load(str(path), return_metadata=True)
-        if "omnitide_cache" not in meta:
-            raise CacheError(f"{path} holds no OmniCache (no 'omnitide_cache' metadata)")
-        cache = cls.from_state(arrays, json.loads(meta["omnitide_cache"]))
-        if return_metadata:
-            return cache, json.loads(meta.get("user", "{}"))
-        return cache
+        return cls._from_file(path, arrays, meta, return_metadata)
