@@ -26,16 +26,16 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from ..core.page import AllocClass, MigrationPlan, MigrationPlanner, PageTable
+from ..core.layout_checkpoints import Q_HEADS, Checkpoint, checkpoint_simulator, parse_histories, record_checkpoints
+from ..core.page import AllocClass, MigrationPlan, PageTable
+from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
-from ..core.profiles import PROFILES, StreamSpec, get_profile
-from ..core.sim import LAYOUT_NAMES, Simulator
+from ..core.profiles import PROFILES, get_profile
+from ..core.sim import LAYOUT_NAMES
 from ..kernels import plan_tiles, tile_skip_attention
 from ..kernels import attention as attn
 from .common import Timing, cache_flusher, load_average, time_interleaved, versions
@@ -47,63 +47,18 @@ example:
       --json out.json --plot out.png
 """
 
-# query heads per profile (core profiles carry only the KV shape)
-Q_HEADS = {"qwen2.5-omni-7b": 28, "qwen2.5-omni-3b": 16, "minicpm-o-4.5": 32, "minicpm-o-2.6": 28}
 PAPER_SPEEDUP = 12.72  # paper abstract: up to 12.72x attention-kernel speedup
 RATIO_GOAL = 0.9  # every tile-skip row at least 0.9 of its limit
 OMNIPAGE_GOAL = 0.885  # paper 7.4.2: OmniPage captures 88.5 % of eager's prefill gain over native
 _NEW_UID = 1 << 40  # owner of the benchmark's own chunk (never a stream uid)
 
 
-@dataclass
-class _RecordingPlanner(MigrationPlanner):
-    """A migration planner that remembers the table and plan of its last accepted migration (to time it)."""
-
-    last: Any = field(default=None, repr=False)
-
-    def plan(self, table: PageTable) -> MigrationPlan:
-        p = super().plan(table)
-        if p.accepted:
-            self.last = (table.copy(), p)
-        return p
-
-
-@dataclass
-class Checkpoint:
-    """The layouts at one no-slide checkpoint; per layout its latest migration (pre-migration table and plan, or
-    None) and its migrations per update so far."""
-
-    history: int
-    full_context_tokens: int
-    retained: int
-    tables: dict[str, PageTable]
-    migrations: dict[str, tuple[PageTable, MigrationPlan] | None]
-    migration_rate: dict[str, float]
-
-
 def checkpoints(profile, histories: list[int], *, policy: str = "omnipick", seed: int = 0,
                 question_every: int = 30, **policy_kw) -> list[Checkpoint]:
     """Stream once through every checkpoint (ascending), all three layouts side by side."""
-    prof = get_profile(profile) if isinstance(profile, str) else profile
-    pol = make_policy(policy, profile=prof, **policy_kw)
-    stream = StreamSpec(max(histories) // prof.media_unit_tokens + 4, question_every=question_every, seed=seed)
-    sim = Simulator(prof, pol, stream, LAYOUT_NAMES)
-    for lt in sim.layouts.values():
-        lt.planner = _RecordingPlanner(lt.planner.mode, min_gain_pages=lt.planner.min_gain_pages)
-    todo = sorted(histories)
-    out: list[Checkpoint] = []
-    for event in stream.events():
-        sim.step(event)
-        while todo and sim.full_context_tokens >= todo[0]:
-            out.append(Checkpoint(todo.pop(0), sim.full_context_tokens, sim.history.total_tokens,
-                                  {n: lt.table.copy() for n, lt in sim.layouts.items()},
-                                  {n: lt.planner.last for n, lt in sim.layouts.items()},
-                                  {n: lt.migrations / sim.updates for n, lt in sim.layouts.items()}))
-        if not todo:
-            break
-    if todo:
-        raise RuntimeError(f"the stream ended before checkpoints {todo}")
-    return out
+    sim = checkpoint_simulator(profile, histories, policy=policy, seed=seed, question_every=question_every,
+                               **policy_kw)
+    return record_checkpoints(sim, histories)
 
 
 # --- what one row times ---------------------------------------------------------------------------------------
@@ -153,11 +108,9 @@ def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_d
     keys = _random((1, kv_heads, cap, head_dim), rng, dtype)
     values = _random((1, kv_heads, cap, head_dim), rng, dtype)
     ts = table.state()
-    arrays = {f"table.{n}": mx.array(np.asarray(ts[n], dtype=np.int32)) for n in ("slots", "seq", "unit", "cls")}
+    arrays = {f"table.{n}": mx.array(np.asarray(ts[n], dtype=np.int32)) for n in TABLE_ARRAYS}
     proto = OmniCache(1, kv_heads, head_dim, RopeSpec(head_dim, 1e4), dtype, placement=table.placement)
-    meta = dict(proto.meta_state, capacity=cap,
-                table={k: ts[k] for k in ("page_size", "subblock_size", "placement", "capacity", "next_seq",
-                                          "partial")})
+    meta = dict(proto.meta_state, capacity=cap, table=table_meta(ts))
     samples = []
     for i in range(reps + 1):
         arrays["layers.0.keys"], arrays["layers.0.values"] = mx.array(keys), mx.array(values)
@@ -415,12 +368,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        histories = [int(x) for x in str(args.history).split(",") if x.strip()]
-    except ValueError:
-        print(f"bad --history {args.history!r}: want comma-separated integers", file=sys.stderr)
-        return 2
-    if not histories or min(histories) <= 0:
-        print("--history needs positive token counts", file=sys.stderr)
+        histories = parse_histories(args.history)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     kw = {k: getattr(args, k) for k in ("high", "low") if getattr(args, k) is not None}
 

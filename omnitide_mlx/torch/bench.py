@@ -30,76 +30,36 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..core.page import AllocClass, MigrationPlan, MigrationPlanner, PageTable
+from ..core.layout_checkpoints import Q_HEADS, Checkpoint, checkpoint_simulator, parse_histories, record_checkpoints
+from ..core.page import AllocClass, MigrationPlan, PageTable
+from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
-from ..core.profiles import PROFILES, StreamSpec, get_profile
-from ..core.sim import LayoutTrace, Simulator, make_layout
+from ..core.profiles import PROFILES, get_profile
+from ..core.sim import LayoutTrace, make_layout
 from .attention import attend, plan_step
 from .cache import OmniTorchCache
 
 HELP = "time dense attention against flex / SDPA attention on the OmniPick layouts, in PyTorch"
-Q_HEADS = {"qwen2.5-omni-7b": 28, "qwen2.5-omni-3b": 16, "minicpm-o-4.5": 32, "minicpm-o-2.6": 28}  # as bench/attention
 LAYOUTS = ("native", "ordered_suffix", "class_aware", "eager")
 _NEW_UID = 1 << 40
-
-
-@dataclass
-class _RecordingPlanner(MigrationPlanner):
-    """A migration planner that remembers the table and plan of its last accepted migration (to time it)."""
-
-    last: Any = field(default=None, repr=False)
-
-    def plan(self, table: PageTable) -> MigrationPlan:
-        p = super().plan(table)
-        if p.accepted:
-            self.last = (table.copy(), p)
-        return p
-
-
-@dataclass
-class Checkpoint:
-    history: int
-    full_context_tokens: int
-    retained: int
-    tables: dict[str, PageTable]
-    migrations: dict[str, tuple[PageTable, MigrationPlan] | None]
-    migration_rate: dict[str, float]
 
 
 def checkpoints(profile, histories: list[int], *, policy: str = "omnipick", seed: int = 0, question_every: int = 30,
                 **policy_kw) -> list[Checkpoint]:
     """Stream once through every checkpoint (ascending), the four layouts side by side."""
-    prof = get_profile(profile) if isinstance(profile, str) else profile
-    pol = make_policy(policy, profile=prof, **policy_kw)
-    stream = StreamSpec(max(histories) // prof.media_unit_tokens + 4, question_every=question_every, seed=seed)
-    sim = Simulator(prof, pol, stream, ("native", "omnipage", "eager"), migration="ordered_suffix")
+    sim = checkpoint_simulator(profile, histories, policy=policy, seed=seed, question_every=question_every,
+                               layouts=("native", "omnipage", "eager"), migration="ordered_suffix", **policy_kw)
     sim.layouts["ordered_suffix"] = sim.layouts.pop("omnipage")
     table, planner = make_layout("omnipage", migration="class_aware")
     table.allocate(sim.history[0].length, 0, AllocClass.MUST_KEEP)
-    sim.layouts["class_aware"] = LayoutTrace("class_aware", table, planner, prof.kv_bytes_per_token)
-    for lt in sim.layouts.values():
-        lt.planner = _RecordingPlanner(lt.planner.mode, min_gain_pages=lt.planner.min_gain_pages)
-    todo = sorted(histories)
-    out: list[Checkpoint] = []
-    for event in stream.events():
-        sim.step(event)
-        while todo and sim.full_context_tokens >= todo[0]:
-            out.append(Checkpoint(todo.pop(0), sim.full_context_tokens, sim.history.total_tokens,
-                                  {n: sim.layouts[n].table.copy() for n in LAYOUTS},
-                                  {n: sim.layouts[n].planner.last for n in LAYOUTS},
-                                  {n: sim.layouts[n].migrations / sim.updates for n in LAYOUTS}))
-        if not todo:
-            break
-    if todo:
-        raise RuntimeError(f"the stream ended before checkpoints {todo}")
-    return out
+    sim.layouts["class_aware"] = LayoutTrace("class_aware", table, planner, sim.profile.kv_bytes_per_token)
+    return record_checkpoints(sim, histories, LAYOUTS)
 
 
 # --- timing --------------------------------------------------------------------------------------------------------
@@ -153,10 +113,8 @@ def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_d
     values = torch.randn(1, kv_heads, cap, head_dim, generator=gen).to(device=device, dtype=dtype)
     proto = OmniTorchCache(1, kv_heads, head_dim, None, dtype, device, placement=table.placement)
     ts = table.state()
-    meta = dict(proto.meta_state, capacity=cap,
-                table={k: ts[k] for k in ("page_size", "subblock_size", "placement", "capacity", "next_seq",
-                                          "partial")})
-    arrays = {f"table.{n}": torch.as_tensor(np.asarray(ts[n], dtype=np.int32)) for n in ("slots", "seq", "unit", "cls")}
+    meta = dict(proto.meta_state, capacity=cap, table=table_meta(ts))
+    arrays = {f"table.{n}": torch.as_tensor(np.asarray(ts[n], dtype=np.int32)) for n in TABLE_ARRAYS}
     samples, peak = [], None
     for i in range(reps + 1):
         arrays["layers.0.keys"], arrays["layers.0.values"] = keys.clone(), values.clone()
@@ -303,12 +261,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        histories = [int(x) for x in str(args.history).split(",") if x.strip()]
-    except ValueError:
-        print(f"bad --history {args.history!r}: want comma-separated integers", file=sys.stderr)
-        return 2
-    if not histories or min(histories) <= 0:
-        print("--history needs positive token counts", file=sys.stderr)
+        histories = parse_histories(args.history)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     kernels = getattr(args, "kernels", None)
