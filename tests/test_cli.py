@@ -86,6 +86,32 @@ def test_help_lists_every_command():
     assert "--kv-budget" in r.stdout and "--temp" in r.stdout and "T:QUESTION" in r.stdout
 
 
+def test_bench_lists_each_benchmarks_help_and_adds_its_flags_when_chosen():
+    """``omnitide bench`` lists the benchmarks from bench.HELP without importing their modules: each line must be
+    the module's own HELP; a chosen benchmark gets its description and flags."""
+    import importlib
+
+    from omnitide_mlx.bench import ARGUMENTS, BENCHMARKS, HELP
+
+    assert set(HELP) == set(BENCHMARKS)
+    for name, module in BENCHMARKS.items():
+        mod = importlib.import_module(module)
+        assert HELP[name] == mod.HELP
+        if name in ARGUMENTS:  # the lighter module is what the benchmark module itself exposes
+            light = importlib.import_module(ARGUMENTS[name])
+            assert (mod.HELP, mod.DESCRIPTION, mod.add_arguments) == (light.HELP, light.DESCRIPTION,
+                                                                       light.add_arguments)
+    r = omnitide("bench", "--help")
+    assert r.returncode == 0 and all(line[:40] in " ".join(r.stdout.split()) for line in HELP.values())
+    r = omnitide("bench", "attention", "--help")
+    assert r.returncode == 0 and "--sdpa-max-history" in r.stdout and "--backend" in r.stdout
+    assert "The *limit* of a row" in r.stdout
+    r = omnitide("bench", "stream", "--help")
+    assert r.returncode == 0 and "--checkpoints" in r.stdout and "--backend" not in r.stdout
+    r = omnitide("bench", "attention", "--device", "cpu")
+    assert r.returncode == 2 and "--device applies to --backend torch" in r.stderr
+
+
 def test_bad_inputs_exit_non_zero_with_a_clear_message(tiny_checkpoints, media_dir, tmp_path):
     qwen = tiny_checkpoints["qwen"]
     video = media_dir / "video_10s_av.mp4"

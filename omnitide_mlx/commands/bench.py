@@ -1,6 +1,9 @@
 """``omnitide bench <benchmark>``: the benchmarks registered in ``omnitide_mlx.bench.BENCHMARKS``.
 
-Benchmark modules are imported only when ``omnitide bench`` itself is chosen, so ``omnitide --help`` stays instant.
+A benchmark's module is imported only when that benchmark is chosen: its flags are added to its subcommand just
+before argparse parses them, and ``run`` imports the MLX or the torch benchmark. So ``omnitide --help`` stays
+instant, and ``omnitide bench attention --backend torch`` (help included) never imports MLX: the attention flags
+come from bench/attention_args.py, which imports no array framework.
 """
 
 from __future__ import annotations
@@ -23,29 +26,50 @@ example:
 TORCH_BENCHMARKS: dict[str, str] = {"attention": "omnitide_mlx.torch.bench"}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from omnitide_mlx.bench import BENCHMARKS
+class _Benchmarks(argparse._SubParsersAction):
+    """The benchmark subcommands: a chosen benchmark's flags are added when argparse reaches its name."""
 
-    sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
-    for name, module in BENCHMARKS.items():
-        mod = importlib.import_module(module)
-        bp = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        mod.add_arguments(bp)
-        if name in TORCH_BENCHMARKS:
-            bp.add_argument("--backend", choices=["mlx", "torch"], default="mlx",
-                            help="mlx (default) or torch (PyTorch: flex / SDPA kernels; needs the torch extra)")
-            bp.add_argument("--device", default=None, help="torch backend: cuda, cuda:N or cpu")
-        bp.set_defaults(_bench_run=mod.run, _bench_name=name)
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values and values[0] in self.choices:
+            _add_flags(values[0], self.choices[values[0]])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _add_flags(name: str, bp: argparse.ArgumentParser) -> None:
+    """The benchmark's description and flags (from ``bench.ARGUMENTS`` when listed there, else its module)."""
+    from omnitide_mlx.bench import ARGUMENTS, BENCHMARKS
+
+    if getattr(bp, "_benchmark_flags", False):
+        return
+    mod = importlib.import_module(ARGUMENTS.get(name, BENCHMARKS[name]))
+    bp.description = getattr(mod, "DESCRIPTION", mod.HELP)
+    mod.add_arguments(bp)
+    if name in TORCH_BENCHMARKS:
+        bp.add_argument("--backend", choices=["mlx", "torch"], default="mlx",
+                        help="mlx (default) or torch (PyTorch: flex / SDPA kernels; needs the torch extra)")
+        bp.add_argument("--device", default=None, help="torch backend: cuda, cuda:N or cpu")
+    bp._benchmark_flags = True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from omnitide_mlx.bench import BENCHMARKS, HELP as LISTING
+
+    sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", action=_Benchmarks)
+    for name in BENCHMARKS:
+        bp = sub.add_parser(name, help=LISTING[name], formatter_class=argparse.RawDescriptionHelpFormatter)
+        bp.set_defaults(_bench_name=name)
     p.set_defaults(_bench_parser=p)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not getattr(args, "_bench_run", None):
+    from omnitide_mlx.bench import BENCHMARKS
+
+    name = getattr(args, "_bench_name", None)
+    if not name:
         args._bench_parser.print_help()
         return 2
     if getattr(args, "backend", "mlx") == "torch":
-        return int(importlib.import_module(TORCH_BENCHMARKS[args._bench_name]).run(args) or 0)
+        return int(importlib.import_module(TORCH_BENCHMARKS[name]).run(args) or 0)
     if getattr(args, "device", None):
         args._bench_parser.error("--device applies to --backend torch")
-    return int(args._bench_run(args) or 0)
+    return int(importlib.import_module(BENCHMARKS[name]).run(args) or 0)

@@ -46,6 +46,37 @@ def test_the_torch_path_never_imports_mlx(data_dir, media_dir):
     assert out["bench_rows"] > 10
 
 
+BENCH_NO_MLX_SCRIPT = textwrap.dedent("""
+    import contextlib, io, json, sys
+
+    from omnitide_mlx.cli import main
+
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text):
+        try:
+            main(["bench", "attention", "--backend", "torch", "--help"])
+        except SystemExit as e:
+            assert e.code == 0, e.code
+    assert "--sdpa-max-history" in help_text.getvalue() and "--device" in help_text.getvalue()
+    rc = main(["bench", "attention", "--backend", "torch", "--device", sys.argv[1], "--shape", "minicpm-o-2.6",
+               "--history", "700", "--reps", "1", "--json", sys.argv[2]])
+    loaded = sorted(m for m in sys.modules if m == "mlx" or m.startswith("mlx.") or m.startswith("mlx_"))
+    print(json.dumps({"rc": rc, "mlx_modules": loaded}))
+""")
+
+
+def test_the_bench_command_with_the_torch_backend_never_imports_mlx(tmp_path):
+    """``omnitide bench attention --backend torch`` (its --help, then a run) through the CLI's own parser: the
+    command imports a benchmark's module only once it is chosen, and the attention flags need no MLX."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-c", BENCH_NO_MLX_SCRIPT, str(DEVICE), str(out)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res == {"rc": 0, "mlx_modules": []}
+    assert json.loads(out.read_text())["backend"] == "torch"
+
+
 def test_cli_stream_and_bench_with_the_torch_backend(tiny_qwen, media_dir, tmp_path):
     from omnitide_mlx.cli import main
 
