@@ -17,7 +17,8 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from cache_stream import Stream, make_cache, rope64
+from cache_stream import Stream, make_cache
+from stream_oracle import rope64
 
 from omnitide_mlx.core.page import AllocClass
 from omnitide_mlx.core.pick import apply_plan, plan_from_mask

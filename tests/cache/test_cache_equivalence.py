@@ -4,7 +4,8 @@ deleted ones and rotates each kept key at its shifted position (prefill chunks a
 import mlx.core as mx
 import numpy as np
 import pytest
-from cache_stream import Stream, make_cache, run_session
+from cache_stream import Stream, make_cache
+from stream_oracle import run_session
 
 from omnitide_mlx.core.page import MigrationPlanner
 from omnitide_mlx.core.pick import H2O, OmniPick, TokenSliding

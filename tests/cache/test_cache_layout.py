@@ -3,7 +3,8 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from cache_stream import Stream, make_cache, run_session
+from cache_stream import Stream, make_cache
+from stream_oracle import run_session
 
 from omnitide_mlx.cache import CacheError, OmniCache
 from omnitide_mlx.core.page import AllocClass, MigrationPlanner, PageTable
@@ -221,7 +222,7 @@ def test_migration_after_real_steps_stays_in_place():
     s = Stream(make_cache(layers=2, kv_heads=4, head_dim=128, placement="class_aware"), q_heads=8, seed=1)
     policy = OmniPick(high=200, low=140)
     rng = np.random.default_rng(0)
-    from cache_stream import media_runs
+    from stream_oracle import media_runs
     s.add_unit(UnitKind.SYSTEM, [(SpanKind.SYSTEM, 5)], AllocClass.MUST_KEEP, check_oracle=False)
     planner = MigrationPlanner("class_aware")
     for i in range(60):

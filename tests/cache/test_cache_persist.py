@@ -6,7 +6,8 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from cache_stream import Stream, make_cache, run_session
+from cache_stream import Stream, make_cache
+from stream_oracle import run_session
 
 from omnitide_mlx.cache import CacheError, OmniCache
 from omnitide_mlx.core.page import MigrationPlanner
@@ -38,7 +39,7 @@ def test_save_load_round_trip(tmp_path, dtype):
     twin.history, twin.alive, twin.pos = copy.deepcopy(s.history), list(s.alive), dict(s.pos)
     s.outputs = []
     rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
-    from cache_stream import media_runs
+    from stream_oracle import media_runs
     from omnitide_mlx.core.units import UnitKind
     for _ in range(6):
         s.add_unit(UnitKind.MEDIA, media_runs(rng_a), check_oracle=False)

@@ -6,7 +6,8 @@ is rejected."""
 import numpy as np
 import pytest
 import torch
-from torch_stream import DEVICE, Stream, make_cache, max_err, media_runs, run_session
+from stream_oracle import max_err, media_runs, run_session
+from torch_stream import DEVICE, Stream, make_cache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnitide_mlx.core.page import AllocClass, MigrationPlanner
