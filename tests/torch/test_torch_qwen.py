@@ -6,25 +6,14 @@ greedy decoding on that reference."""
 import numpy as np
 import pytest
 import torch
+from qwen_omni_steps import TOL, av_steps, offline_inputs, prepare_unit, random_audio, random_frame
 from torch_stream import DEVICE
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import apply_rotary_pos_emb
 
 from omnitide_mlx.core.page import AllocClass
 from omnitide_mlx.core.pick import OmniPick, apply_plan
 from omnitide_mlx.core.units import History
-from omnitide_mlx.models.qwen2_5_omni.layout import FRAME_MAX_PIXELS, FRAME_MIN_PIXELS
 from omnitide_mlx.torch.cache import OmniTorchCache
-
-TOL = 2e-5  # float32 against float32; logits of magnitude ~4
-SR = 16000
-
-
-def _frame(rng, h, w):
-    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-def _audio(rng, seconds):
-    return (0.1 * rng.standard_normal(int(SR * seconds))).astype(np.float32)
 
 
 def _stream(model, adapter, steps, cache):
@@ -34,12 +23,7 @@ def _stream(model, adapter, steps, cache):
     for i, (kind, args) in enumerate(steps):
         start = history.next_position()
         cache.set_owner(i, AllocClass.MUST_KEEP if kind == "system" else AllocClass.RECENT_CONTEXT)
-        if kind == "system":
-            u = adapter.system_unit(args, start)
-        elif kind == "media":
-            u = adapter.media_unit(*args, t=float(i), start=start)
-        else:
-            u = adapter.user_unit(args, start)
+        u = prepare_unit(adapter, kind, args, i, start)
         pos = torch.as_tensor(u.positions, device=DEVICE)[:, None, :]
         with torch.no_grad():
             h = lm(inputs_embeds=u.inputs_embeds[None], position_ids=pos, cache=cache, use_cache=True)
@@ -54,46 +38,19 @@ def _cache(model, **kw):
 
 
 def _offline_inputs(proc, units, steps):
-    """The concatenated sequence as processor outputs: every frame a one-grid video, every audio its own clip."""
-    rows, grids, mels = [], [], []
-    for kind, args in steps:
-        if kind != "media":
-            continue
-        frame, audio = args
-        if frame is not None:
-            r, g = proc.vision.image(frame, FRAME_MIN_PIXELS, FRAME_MAX_PIXELS)
-            rows.append(r)
-            grids.append(g)
-        if audio is not None:
-            mels.append(proc.audio_features(audio))
-    width = max(m.shape[1] for m in mels)
-    feats = np.zeros((len(mels), 128, width), np.float32)
-    mask = np.zeros((len(mels), width), np.int64)
-    for i, m in enumerate(mels):
-        feats[i, :, :m.shape[1]], mask[i, :m.shape[1]] = m, 1
-    ids = np.concatenate([u.input_ids for u in units]).astype(np.int64)[None]
-    t = {"input_ids": ids, "attention_mask": np.ones_like(ids), "pixel_values_videos": np.concatenate(rows),
-         "video_grid_thw": np.asarray(grids, np.int64), "video_second_per_grid": np.ones(len(grids), np.float32),
-         "input_features": feats, "feature_attention_mask": mask}
-    out = {k: torch.as_tensor(v, device=DEVICE) for k, v in t.items()}
+    """The offline inputs (tests/qwen_omni_steps.py) as tensors on the test device, in the dtypes transformers'
+    processor gives: an int64 feature mask, float32 seconds per grid."""
+    dtypes = {"feature_attention_mask": np.int64, "video_second_per_grid": np.float32}
+    out = {k: torch.as_tensor(np.asarray(v, dtypes.get(k)), device=DEVICE)
+           for k, v in offline_inputs(proc, units, steps).items() if k != "use_audio_in_video"}
     out["use_audio_in_video"] = True
     return out
-
-
-def _av_steps(seed=0):
-    rng = np.random.default_rng(seed)
-    return [("system", None),
-            ("media", (_frame(rng, 112, 112), _audio(rng, 1.0))),
-            ("media", (_frame(rng, 84, 112), _audio(rng, 1.5))),
-            ("media", (None, _audio(rng, 1.0))),
-            ("media", (_frame(rng, 112, 84), _audio(rng, 2.4))),
-            ("user", "What happened in these seconds?")]
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex", "reference"])
 def test_streaming_equals_transformers_offline(torch_qwen, kernel):
     model, proc = torch_qwen
-    steps = _av_steps()
+    steps = av_steps()
     units, logits, history = _stream(model, model.stream_adapter(proc), steps, _cache(model, kernel=kernel))
     inputs = _offline_inputs(proc, units, steps)
     with torch.no_grad():
@@ -154,7 +111,7 @@ def evicted(torch_qwen):
     """Five frame+audio seconds through the cache, then one OmniPick plan (older units trimmed to sinks)."""
     model, proc = torch_qwen
     rng = np.random.default_rng(9)
-    steps = [("system", None)] + [("media", (_frame(rng, 56, 84), _audio(rng, 1.0))) for _ in range(5)]
+    steps = [("system", None)] + [("media", (random_frame(rng, 56, 84), random_audio(rng, 1.0))) for _ in range(5)]
     adapter = model.stream_adapter(proc)
     cache = _cache(model, placement="first_fit")
     units, _, history = _stream(model, adapter, steps, cache)
@@ -170,7 +127,7 @@ def test_omnipick_eviction_matches_recompute_with_shifted_positions(evicted):
     np.testing.assert_array_equal(new_history.positions(), history.positions()[:, keep] - shifts)
     cache.evict(plan, history)
     assert cache.rotated_rows == int((shifts != 0).sum())
-    nxt = adapter.media_unit(_frame(rng, 84, 56), _audio(rng, 1.0), 5.0, new_history.next_position())
+    nxt = adapter.media_unit(random_frame(rng, 84, 56), random_audio(rng, 1.0), 5.0, new_history.next_position())
     question = adapter.user_unit("What changed?", int(nxt.positions.max()) + 1)
     streamed = []
     lm = model.hf.model.language_model
@@ -197,7 +154,7 @@ def test_generate_through_the_cache_equals_greedy_on_the_reference(torch_qwen):
     decodes, with the same logits."""
     model, proc = torch_qwen
     rng = np.random.default_rng(11)
-    steps = [("system", None)] + [("media", (_frame(rng, 56, 56), _audio(rng, 1.0))) for _ in range(4)]
+    steps = [("system", None)] + [("media", (random_frame(rng, 56, 56), random_audio(rng, 1.0))) for _ in range(4)]
     adapter = model.stream_adapter(proc)
     cache = _cache(model)
     units, _, history = _stream(model, adapter, steps, cache)

@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from stream_oracle import BASE, OracleStream

@@ -1,14 +1,13 @@
 """The streaming adapter: unit layouts, spans and positions, streaming parity with the offline forward (ours and
 transformers'), greedy decoding after a streamed prefill, bad media, and re-rotation after an OmniPick eviction;
 through mlx-lm KVCaches and through OmniCache (paged, tile-skip attention, float32 re-rotation on eviction).
-
-Offline reference: every unit's frame is a separate one-grid video (the frame duplicated to the temporal patch,
-1 s per grid) and its audio a separate clip, in one sequence with ``use_audio_in_video=True``.
+The steps and the offline reference's inputs are tests/qwen_omni_steps.py's (shared with the torch path's test).
 """
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from qwen_omni_steps import SR, TOL, av_steps, offline_inputs, prepare_unit, random_audio, random_frame
 
 from omnitide_mlx.core.units import History, SpanKind, UnitKind
 from omnitide_mlx.models.base import MediaError
@@ -16,17 +15,6 @@ from omnitide_mlx.models.qwen2_5_omni.adapter import FRAME_MAX_PIXELS, FRAME_MIN
 from omnitide_mlx.models.qwen2_5_omni.language import mrope_cos_sin, rotate_half
 
 from ._util import to_torch
-
-TOL = 2e-5
-SR = 16000
-
-
-def _frame(rng, h, w):
-    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-def _audio(rng, seconds):
-    return (0.1 * rng.standard_normal(int(SR * seconds))).astype(np.float32)
 
 
 def _make_cache(model, kind):
@@ -53,62 +41,19 @@ def _stream(model, adapter, steps, cache=None):
     for i, (kind, args) in enumerate(steps):
         start = history.next_position()
         _set_owner(cache, i, system=kind == "system")
-        if kind == "system":
-            u = adapter.system_unit(args, start)
-        elif kind == "media":
-            u = adapter.media_unit(*args, t=float(i), start=start)
-        elif kind == "context":
-            u = adapter.context_unit(args, start)
-        else:
-            u = adapter.user_unit(args, start)
+        u = prepare_unit(adapter, kind, args, i, start)
         logits.append(model.language_model(u.inputs_embeds, cache, u.positions)[0])
         history.append(u.to_unit(i))
         units.append(u)
     return units, logits, history, cache
 
 
-def _av_steps(seed=0):
-    """System, three frame+audio seconds (one with 2.4 s of audio, two encoder / interleave chunks), one
-    audio-only second, then the question."""
-    rng = np.random.default_rng(seed)
-    return [("system", None),
-            ("media", (_frame(rng, 112, 112), _audio(rng, 1.0))),
-            ("media", (_frame(rng, 84, 112), _audio(rng, 1.5))),
-            ("media", (None, _audio(rng, 1.0))),
-            ("media", (_frame(rng, 112, 84), _audio(rng, 2.4))),
-            ("user", "What happened in these seconds?")]
-
-
-def _offline_inputs(proc, units, steps):
-    """The concatenated sequence as processor outputs (the same frames and clips as separate videos / audios)."""
-    rows, grids, mels = [], [], []
-    for kind, args in steps:
-        if kind != "media":
-            continue
-        frame, audio = args
-        if frame is not None:
-            r, g = proc.vision.image(frame, FRAME_MIN_PIXELS, FRAME_MAX_PIXELS)
-            rows.append(r)
-            grids.append(g)
-        if audio is not None:
-            mels.append(proc.audio_features(audio))
-    width = max(m.shape[1] for m in mels)
-    feats = np.zeros((len(mels), 128, width), np.float32)
-    mask = np.zeros((len(mels), width), np.int32)
-    for i, m in enumerate(mels):
-        feats[i, :, :m.shape[1]], mask[i, :m.shape[1]] = m, 1
-    ids = np.concatenate([u.input_ids for u in units]).astype(np.int64)[None]
-    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "pixel_values_videos": np.concatenate(rows),
-            "video_grid_thw": np.asarray(grids, np.int64), "video_second_per_grid": np.ones(len(grids)),
-            "input_features": feats, "feature_attention_mask": mask, "use_audio_in_video": True}
-
-
 @pytest.fixture(scope="module")
 def av_stream(tiny):
     model, proc = tiny
-    steps = _av_steps()
+    steps = av_steps()
     units, logits, history, cache = _stream(model, model.stream_adapter(proc), steps)
-    return steps, units, logits, history, cache, _offline_inputs(proc, units, steps)
+    return steps, units, logits, history, cache, offline_inputs(proc, units, steps)
 
 
 def test_unit_layouts_and_spans(tiny, av_stream):
@@ -190,9 +135,10 @@ def test_frame_only_audio_only_and_context_units(tiny, hf_thinker):
     torch = pytest.importorskip("torch")
     model, proc = tiny
     rng = np.random.default_rng(5)
-    steps = [("system", "Be brief."), ("media", (_frame(rng, 112, 140), None)), ("media", (None, _audio(rng, 1))),
-             ("context", "a caption"), ("media", (_frame(rng, 84, 84), _audio(rng, 1))), ("user", "Why?"),
-             ("media", (_frame(rng, 56, 56), None)), ("user", "And now?")]
+    steps = [("system", "Be brief."), ("media", (random_frame(rng, 112, 140), None)),
+             ("media", (None, random_audio(rng, 1))), ("context", "a caption"),
+             ("media", (random_frame(rng, 84, 84), random_audio(rng, 1))), ("user", "Why?"),
+             ("media", (random_frame(rng, 56, 56), None)), ("user", "And now?")]
     units, logits, history, _ = _stream(model, model.stream_adapter(proc), steps)
     embeds = mx.concatenate([u.inputs_embeds for u in units])
     offline = model.language_model(embeds, None, history.positions())[0]
@@ -325,7 +271,7 @@ def test_omnipick_eviction_matches_recompute_with_shifted_positions(tiny, high, 
 
     model, proc = tiny
     rng = np.random.default_rng(9)
-    steps = [("system", None)] + [("media", (_frame(rng, 56, 84), _audio(rng, 1.0))) for _ in range(5)]
+    steps = [("system", None)] + [("media", (random_frame(rng, 56, 84), random_audio(rng, 1.0))) for _ in range(5)]
     adapter = model.stream_adapter(proc)
     units, _, history, cache = _stream(model, adapter, steps, _make_cache(model, cache_kind))
     policy = OmniPick(high=high, low=low, recent_units=2, image_sink=2, audio_sink=2, text_budget=8)
@@ -342,7 +288,7 @@ def test_omnipick_eviction_matches_recompute_with_shifted_positions(tiny, high, 
     else:
         _evict_kv_caches(cache, keep, shifts, model.kv_spec().rope)
     start = new_history.next_position()
-    nxt_media = adapter.media_unit(_frame(rng, 84, 56), _audio(rng, 1.0), 5.0, start)
+    nxt_media = adapter.media_unit(random_frame(rng, 84, 56), random_audio(rng, 1.0), 5.0, start)
     question = adapter.user_unit("What changed?", int(nxt_media.positions.max()) + 1)
     streamed = []
     for uid, u in ((len(steps), nxt_media), (len(steps) + 1, question)):
