@@ -224,7 +224,7 @@ def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
         full = np.tile(np.where(key_np[None, :] <= qs_np[:, None], 0.0, -np.inf).astype(np.float32), (g, 1))
         bias, off = [], 0
         for a, b in runs:
-            bias.append(mx.array(full[:, off:off + b - a]))
+            bias.append(mx.array(np.ascontiguousarray(full[:, off:off + b - a])))  # not a view of all of full
             off += b - a
         bias = tuple(bias)
     elif needs_mask and tb * key_np.size <= MASK_CACHE_MAX:
@@ -252,8 +252,10 @@ def reference_attention(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: Til
     for i0 in range(0, t, block):
         i1 = min(t, i0 + block)
         blk = _schedule(plan, i0, i1, g)
-        o, p_sum = _attend_block(q[:, :, i0:i1, :] if block < t else q, k_buf, v_buf, blk, plan.q_seq[i0:i1],
-                                 scale, g, return_scores)
+        qb = q[:, :, i0:i1, :] if block < t else q
+        if outs:  # one query block after another: MLX would otherwise build every block's scores before any softmax
+            qb = mx.depends(qb, outs[-1])
+        o, p_sum = _attend_block(qb, k_buf, v_buf, blk, plan.q_seq[i0:i1], scale, g, return_scores)
         outs.append(o)
         if p_sum is not None:
             scores = scores.at[blk.slots()].add(p_sum)
