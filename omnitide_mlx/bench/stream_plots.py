@@ -48,23 +48,27 @@ def plot(result: dict, path: str) -> None:
     sess = {r["policy"]: r for r in rows if r["kind"] == "session"}
     prof = {r["policy"]: r for r in rows if r["kind"] == "attention_session"}
     head = f"{result['shape']}, {result['layers']} layer(s), float32, CPU"
-    fig, axes = plt.subplots(2, 3, figsize=(19, 10.5))
+    # a row of checkpoint panels and a row of session panels; a run without one of them gets no empty row
+    top, bottom = bool(upd), bool(sess) or set(LAYOUT_TRIO) <= set(prof)
+    nrows = max(int(top) + int(bottom), 1)
+    fig, grid = plt.subplots(nrows, 3, figsize=(19, 5.25 * nrows), squeeze=False)
+    axes = {0: grid[0], 1: grid[nrows - 1]}
 
     if upd:
-        _checkpoint_panel(axes[0, 0], upd, "update_cpu_ms", f"(a) update latency, CPU time ({head})",
+        _checkpoint_panel(axes[0][0], upd, "update_cpu_ms", f"(a) update latency, CPU time ({head})",
                           "ms per update (median)")
-        _checkpoint_panel(axes[0, 1], upd, "attention_cpu_ms", "(b) attention time, profiled apart (CPU time)",
+        _checkpoint_panel(axes[0][1], upd, "attention_cpu_ms", "(b) attention time, profiled apart (CPU time)",
                           "ms per update, all layers")
         for r in upd:  # the FLOP-count limit next to OmniTide's measured speedup
             if r["policy"] == "omnitide" and "flop_limit" in r:
-                axes[0, 0].annotate(f"{r['cpu_speedup']:.2f}x / limit {r['flop_limit']:.2f}x",
+                axes[0][0].annotate(f"{r['cpu_speedup']:.2f}x / limit {r['flop_limit']:.2f}x",
                                     (r["checkpoint"], r["update_cpu_ms"]), fontsize=7, color=COLORS["omnitide"],
                                     textcoords="offset points", xytext=(-10, -12))
-                axes[0, 1].annotate(f"{r['attention_cpu_speedup']:.1f}x / {r['key_limit']:.1f}x",
+                axes[0][1].annotate(f"{r['attention_cpu_speedup']:.1f}x / {r['key_limit']:.1f}x",
                                     (r["checkpoint"], r["attention_cpu_ms"]), fontsize=7,
                                     color=COLORS["omnitide"], textcoords="offset points", xytext=(-10, -12))
 
-        ax = axes[0, 2]
+        ax = axes[0][2]
         last = max(r["checkpoint"] for r in upd)
         names = [n for n in ("fifo", "token", "streamingllm", "h2o", "omnipick", "omnitide", "eager", "mlx_rotating")
                  if any(r["policy"] == n and r["checkpoint"] == last for r in upd)]
@@ -85,11 +89,17 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel("KV cells after the update")
         ax.set_title(f"(c) KV layout at the {last}-token checkpoint", fontsize=10)
         ax.legend(fontsize=7, loc="upper left")
-    else:
-        for ax in axes[0]:
-            ax.set_visible(False)
 
-    ax = axes[1, 0]
+    if bottom:
+        _session_row(axes[1], result, sess, prof)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _session_row(row, result: dict, sess: dict, prof: dict) -> None:
+    """Panels (d)-(f): quality against session time, attention under identical retention, memory per update."""
+    ax = row[0]
     acc = PAPER_ACCURACY.get(result["shape"], {})
     if sess:
         lo = min(acc.values()) - 4 if acc else 40
@@ -111,7 +121,7 @@ def plot(result: dict, path: str) -> None:
     else:
         ax.set_visible(False)
 
-    ax = axes[1, 1]
+    ax = row[1]
     if set(LAYOUT_TRIO) <= set(prof):
         for name in LAYOUT_TRIO:
             ser = prof[name]["series"]
@@ -137,7 +147,7 @@ def plot(result: dict, path: str) -> None:
     else:
         ax.set_visible(False)
 
-    ax = axes[1, 2]
+    ax = row[2]
     if sess:
         for name, r in sess.items():
             media = [e for e in r["series"] if e["kind"] == "media"]
@@ -150,6 +160,3 @@ def plot(result: dict, path: str) -> None:
         ax.legend(fontsize=7, ncol=2)
     else:
         ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
