@@ -8,7 +8,6 @@ command's description, in bench/attention_args.py (``omnitide bench attention --
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from ..kernels import plan_tiles, tile_skip_attention
 from ..kernels import attention as attn
 from .attention_args import DESCRIPTION, HELP, add_arguments  # noqa: F401  (the benchmark module's command line)
 from .common import Timing, cache_flusher, load_average, time_interleaved, versions
+from .report import write_outputs
 
 PAPER_SPEEDUP = 12.72  # paper abstract: up to 12.72x attention-kernel speedup
 RATIO_GOAL = 0.9  # every tile-skip row at least 0.9 of its limit
@@ -342,13 +342,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = run_bench(args.shape, histories, policy=args.policy, dtype=getattr(mx, args.dtype),
                        sdpa_max_history=args.sdpa_max_history, seed=args.seed, reps=args.reps, log=log, **kw)
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(result, fh, indent=1)
-    if args.plot:
-        plot(result, args.plot)
-    if args.markdown:
-        print(markdown(result))
+    write_outputs(result, args, markdown=markdown, plot=plot)
     g = result["goals"]
     print(f"rows below {RATIO_GOAL} of their limit: {len(g['rows_below_ratio_goal'])}; "
           f"wall {result['wall_s']} s; load {result['load_average']}")

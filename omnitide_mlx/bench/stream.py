@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import resource
 import statistics
@@ -65,6 +64,7 @@ from ..core.units import History
 from ..engine import SessionCounters
 from ..session import OmniSession, keep_cpu_buffers
 from .common import Timing, load_average, versions
+from .report import write_outputs
 from .shape_models import SHAPES, ModelShape, ShapeTrueModel, question_tokens, reply_closing_tokens, update_flops
 
 HELP = "stream-loop benchmark: update latency, attention, maintenance, sessions and memory for every policy"
@@ -1089,14 +1089,8 @@ def run(args: argparse.Namespace) -> int:
                        attention_reps=args.attention_reps, session_seconds=args.session_seconds,
                        question_every=args.question_every, session_tokens=args.session_tokens, policies=policies,
                        sessions=not args.no_sessions, seed=args.seed, log=log)
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(result, fh, indent=1)
-    if args.plot:
-        from .stream_plots import plot
+    from .stream_plots import plot
 
-        plot(result, args.plot)
-    if args.markdown:
-        print(markdown(result))
+    write_outputs(result, args, markdown=markdown, plot=plot)
     print(f"wall {result['wall_s']} s, CPU {result['cpu_s']} s; cost {result['cost']}; load {result['load_average']}")
     return 0

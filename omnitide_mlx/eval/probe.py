@@ -49,16 +49,21 @@ class RetentionRecorder:
 def question_ids(session, question: str, answer_prefix: str = "") -> list[int]:
     """The token ids a question unit would have now (the adapter's protocol state is left as it was), followed by
     the start of the answer."""
+    ids = _unit_ids(session, session.adapter.user_unit, question)
+    if answer_prefix:
+        ids += list(session.adapter.encode(answer_prefix))
+    return ids
+
+
+def _unit_ids(session, make_unit, text: str) -> list[int]:
+    """The token ids of ``make_unit(text, next position)``, with the adapter's protocol state restored after."""
     adapter = session.adapter
     meta, arrays = adapter.state()
     try:
-        prepared = adapter.user_unit(question, session.history.next_position())
+        prepared = make_unit(text, session.history.next_position())
     finally:
         adapter.load_state(meta, arrays)
-    ids = [int(i) for i in prepared.input_ids]
-    if answer_prefix:
-        ids += list(adapter.encode(answer_prefix))
-    return ids
+    return [int(i) for i in prepared.input_ids]
 
 
 def probe_logits(session, ids: list[int]) -> np.ndarray:
@@ -92,10 +97,4 @@ def probe_logits(session, ids: list[int]) -> np.ndarray:
 
 def context_unit_ids(session, text: str) -> list[int]:
     """The token ids ``session.push(text=text)`` would prefill now (the adapter's state is left as it was)."""
-    adapter = session.adapter
-    meta, arrays = adapter.state()
-    try:
-        prepared = adapter.context_unit(text, session.history.next_position())
-    finally:
-        adapter.load_state(meta, arrays)
-    return [int(i) for i in prepared.input_ids]
+    return _unit_ids(session, session.adapter.context_unit, text)

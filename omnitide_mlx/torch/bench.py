@@ -24,7 +24,6 @@ Also runnable without the ``omnitide`` CLI: ``python -m omnitide_mlx.torch.bench
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -41,6 +40,7 @@ from ..core.page import AllocClass, MigrationPlan, PageTable
 from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
 from ..core.profiles import PROFILES, get_profile
+from ..bench.report import write_outputs
 from ..core.sim import LayoutTrace, make_layout
 from .attention import attend, plan_step
 from .cache import OmniTorchCache
@@ -286,11 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = run_bench(args.shape, histories, device=device, dtype=getattr(torch, args.dtype), kernels=kernels,
                        policy=args.policy, seed=args.seed, reps=args.reps, log=log, **kw)
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(result, fh, indent=1)
-    if getattr(args, "markdown", False):
-        print(markdown(result))
+    write_outputs(result, args, markdown=markdown)
     print(f"wall {result['wall_s']} s on {result['versions']['device']}")
     return 0
 
