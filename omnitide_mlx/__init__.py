@@ -13,6 +13,8 @@ _LAZY = {
     "OmniSession": ("omnitide_mlx.session", "OmniSession"),
     "OmniCache": ("omnitide_mlx.cache", "OmniCache"),
     "MediaError": ("omnitide_mlx.errors", "MediaError"),
+    "SessionError": ("omnitide_mlx.errors", "SessionError"),
+    "SessionBusyError": ("omnitide_mlx.errors", "SessionBusyError"),
     "CheckpointError": ("omnitide_mlx.models.loading", "CheckpointError"),
     "OmniTide": ("omnitide_mlx.core.pick", "OmniTide"),
     "OmniPick": ("omnitide_mlx.core.pick", "OmniPick"),

@@ -7,7 +7,10 @@ A question and its reply become units of the history too.
 
 Threads: one producer (push) and one consumer (ask) may run at once. Pushes are validated in the caller's thread
 (bad media raise MediaError there and never reach the cache) and queued; whoever holds the engine lock processes
-the queue, so a capture loop never waits for a reply to finish.
+the queue, so a capture loop never waits for a reply to finish. The lock is held for one bounded piece of work at
+a time (a unit's prefill and retention, one decode step), never across a yield: while a reply is open, pushes and
+``flush()`` from any thread (the consumer's own included) queue and run when the reply ends, a new question ends
+the open reply first (a stop button), and a reply's iterator that is closed or dropped ends its reply cleanly.
 
 A backend subclass provides the model calls (``_forward``, ``_sample``), the cache and array persistence; this
 module imports no array framework.
@@ -19,8 +22,10 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections import deque
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -30,7 +35,7 @@ from .core.page import AllocClass
 from .core.pick import RetentionPolicy, apply_plan, make_policy
 from .core.sim import make_layout
 from .core.units import History, SpanKind, Unit, UnitKind
-from .errors import MediaError
+from .errors import MediaError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
 
@@ -92,6 +97,25 @@ class _Pending:
     audio: np.ndarray | None
     text: str | None
     t: float | None
+    waiting: bool = True  # the push() that queued it has not returned yet: an error goes to it
+    error: Exception | None = None
+
+
+@dataclass
+class _Reply:
+    """An open reply: everything its decode steps share, so that no step keeps state in a suspended generator."""
+
+    question: str
+    sampling: Sampling
+    uid: int = -1
+    start: int = 0
+    sample: Callable | None = None
+    logits: Any = None
+    generated: list[int] = field(default_factory=list)
+    emitted: str = ""
+    stopped: bool = False
+    done: bool = False  # finished: the unit is in the history and nothing more is decoded
+    abandoned: bool = False  # its iterator was closed or dropped before the end
 
 
 def policy_from(policy: RetentionPolicy | str | None, high: int | None = None, low: int | None = None) -> RetentionPolicy:
@@ -175,9 +199,13 @@ class StreamingSession:
             self._prefill(self.adapter.system_unit(system_prompt, 0), AllocClass.MUST_KEEP)
 
     def _init_stream_state(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # the engine: held for one bounded piece of work, never across a yield
+        self._holder: int | None = None  # the thread holding it (a call from that thread would wait for itself)
+        self._open: _Reply | None = None  # the reply being decoded; units wait for it to end
+        self._flush_requested = False
         self._inbox_lock = threading.Lock()
         self._inbox: deque[_Pending] = deque()
+        self.rejected: deque[str] = deque(maxlen=64)  # errors of queued chunks whose push() had returned
         self._audio_buf = np.zeros(0, dtype=np.float32)
         self._pending_frame: np.ndarray | None = None
         self._pending_t: float | None = None
@@ -235,17 +263,23 @@ class StreamingSession:
         )
         with self._inbox_lock:
             self._inbox.append(pending)
-        return self._drain(blocking=False)
+        records = self._settle()
+        with self._inbox_lock:
+            pending.waiting = False
+            error = pending.error
+        if error is not None:
+            raise error
+        return records
 
     def flush(self) -> list[UpdateRecord]:
-        """Turn buffered input (less than a second of audio, a frame waiting for its audio) into a unit."""
-        records = self._drain(blocking=True)
-        with self._lock:
-            if self._audio_buf.size or self._pending_frame is not None:
-                audio = self._audio_buf if self._audio_buf.size else None
-                self._audio_buf = np.zeros(0, dtype=np.float32)
-                records += self._media(self._take_frame(), audio)
-        return records
+        """Turn buffered input (less than a second of audio, a frame waiting for its audio) into a unit.
+
+        While a reply is open the flush queues and runs when the reply ends (it returns ``[]`` then)."""
+        with self._engine():
+            self._flush_requested = True
+            if self._open is not None and not self._open.abandoned:
+                return []
+            return self._settle_locked()
 
     # --- consumer side --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
@@ -254,7 +288,9 @@ class StreamingSession:
         """Ask a question about everything streamed so far; returns the reply as an iterator of text pieces.
 
         Sampling options follow mlx-lm (``temp`` 0 is greedy). The question and the reply become units of the
-        history. Queued pushes are processed first, so the answer sees them.
+        history. Queued pushes are processed first, so the answer sees them. One reply at a time: asking again
+        (from any thread) ends the open reply where it is, as a stop button would, and its iterator then ends.
+        Closing the iterator (or dropping it) ends the reply; pushes made meanwhile are processed then.
         """
         question = _check_text(question)
         if max_tokens < 1:
@@ -262,13 +298,24 @@ class StreamingSession:
         sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, tuple(stop or ()))
 
         def reply() -> Iterator[str]:
-            self._lock.acquire()
+            r = _Reply(question, sampling)
             try:
-                self._drain_locked()
-                yield from self._reply(question, sampling)
+                with self._engine(settle=False):
+                    if self._open is not None:
+                        self._finish_reply(self._open)
+                    self._settle_locked()
+                    self._begin_reply(r)
+                while True:
+                    with self._engine(settle=False):
+                        if r.done:
+                            return
+                        piece = self._reply_step(r)
+                    if piece:
+                        yield piece
             finally:
-                self._lock.release()
-                self._drain(blocking=False)
+                if not r.done:
+                    r.abandoned = True
+                self._settle()
 
         return reply()
 
@@ -278,7 +325,7 @@ class StreamingSession:
 
     # --- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        with self._lock:
+        with self._engine(settle=False, read=True):
             layout = self.cache.layout_stats()
             c = self.counters
             return {
@@ -316,8 +363,11 @@ class StreamingSession:
         """Write the whole state (KV, page table, units, positions, adapter protocol state, buffered input) to a
         folder: safetensors for arrays, JSON for the rest."""
         path = Path(path)
-        with self._lock:
-            self._drain_locked()
+        with self._engine(settle=False):
+            if self._open is not None and not self._open.abandoned:
+                raise SessionBusyError(f"cannot save to {path} while a reply is open: read it to the end or close() "
+                                       "its iterator first")
+            self._settle_locked()
             path.mkdir(parents=True, exist_ok=True)
             self.cache.save(path / "kv.safetensors")
             meta_adapter, arrays = self.adapter.state()
@@ -402,20 +452,65 @@ class StreamingSession:
         raise NotImplementedError
 
     # --- engine (lock held) -----------------------------------------------------------------------------------
-    def _drain(self, blocking: bool) -> list[UpdateRecord]:
-        records: list[UpdateRecord] = []
-        while True:
-            if not self._lock.acquire(blocking=blocking):
-                return records
+    @contextmanager
+    def _engine(self, settle: bool = True, read: bool = False):
+        """Hold the engine for one bounded piece of work. A call from the thread that already holds it (from inside
+        ``on_update``) would wait for itself: it raises instead, except a read (``stats``), which goes on. After
+        the work, ``settle`` processes what others queued meanwhile."""
+        me = threading.get_ident()
+        if self._holder == me:
+            if read:
+                yield
+                return
+            raise SessionError("the session was called from inside its own update (an on_update callback?): "
+                               "push() from there queues; flush(), ask() and save() must wait until it returns")
+        with self._lock:
+            self._holder = me
             try:
-                records += self._drain_locked()
+                yield
             finally:
+                self._holder = None
+        if settle:
+            self._settle()
+
+    def _settle(self) -> list[UpdateRecord]:
+        """Do what is waiting (an abandoned reply to end, queued chunks, a queued flush) if the engine is free;
+        otherwise leave it to whoever holds the engine, who settles after letting go. Never blocks."""
+        records: list[UpdateRecord] = []
+        while self._has_work():
+            if not self._lock.acquire(blocking=False):
+                return records
+            self._holder = threading.get_ident()
+            try:
+                records += self._settle_locked()
+            finally:
+                self._holder = None
                 self._lock.release()
-            with self._inbox_lock:
-                if not self._inbox:
-                    return records
+        return records
+
+    def _has_work(self) -> bool:
+        if self._open is not None:
+            return self._open.abandoned
+        return bool(self._inbox) or self._flush_requested
+
+    def _settle_locked(self) -> list[UpdateRecord]:
+        records: list[UpdateRecord] = []
+        if self._open is not None and self._open.abandoned:
+            self._finish_reply(self._open)
+        if self._open is not None:
+            return records  # units wait for the reply to end
+        records += self._drain_locked()
+        if self._flush_requested:
+            self._flush_requested = False
+            if self._audio_buf.size or self._pending_frame is not None:
+                audio = self._audio_buf if self._audio_buf.size else None
+                self._audio_buf = np.zeros(0, dtype=np.float32)
+                records += self._media(self._take_frame(), audio)
+        return records
 
     def _drain_locked(self) -> list[UpdateRecord]:
+        """Process the queued chunks in order. A chunk the model rejects is counted and skipped; its error goes to
+        the push() that queued it when that call is still waiting, else to ``rejected`` and a warning."""
         records: list[UpdateRecord] = []
         while True:
             with self._inbox_lock:
@@ -424,9 +519,14 @@ class StreamingSession:
                 item = self._inbox.popleft()
             try:
                 records += self._process(item)
-            except MediaError:
+            except MediaError as e:
                 self.counters.rejected_chunks += 1
-                raise
+                with self._inbox_lock:
+                    item.error = e
+                    waiting = item.waiting
+                if not waiting:
+                    self.rejected.append(str(e))
+                    warnings.warn(f"a queued chunk was rejected: {e}", RuntimeWarning, stacklevel=2)
 
     def _process(self, item: _Pending) -> list[UpdateRecord]:
         records: list[UpdateRecord] = []
@@ -511,58 +611,77 @@ class StreamingSession:
         self.counters.maintenance_ms += (time.perf_counter() - t0) * 1000
         return evicted, migrated
 
-    def _reply(self, question: str, sampling: Sampling) -> Iterator[str]:
-        self._unit(self.adapter.user_unit(question, self.history.next_position()))
-        axes = self.adapter.kv_spec.position_axes
-        logits = self._last_logits
-        sample = self._sampler(sampling)
-        uid = self.history.next_uid()
-        start = self.history.next_position()
-        self.cache.set_owner(uid, AllocClass.RECENT_CONTEXT)
-        generated: list[int] = []
-        emitted = ""
-        stopped = False
+    def _begin_reply(self, r: _Reply) -> None:
+        """Prefill the question as a unit and open the reply (its tokens will belong to the next uid)."""
+        self._unit(self.adapter.user_unit(r.question, self.history.next_position()))
+        r.logits = self._last_logits
+        r.sample = self._sampler(r.sampling)
+        r.uid = self.history.next_uid()
+        r.start = self.history.next_position()
+        self.cache.set_owner(r.uid, AllocClass.RECENT_CONTEXT)
+        self._open = r
+
+    def _reply_step(self, r: _Reply) -> str:
+        """Decode one token of the open reply; returns the new text (possibly empty). Ends the reply at a stop token,
+        a stop string or ``max_tokens``; the text still held back (an incomplete character) comes with the end."""
+        if len(r.generated) >= r.sampling.max_tokens:
+            return self._finish_reply(r)
         t0 = time.perf_counter()
         try:
-            while len(generated) < sampling.max_tokens:
-                token = sample(logits, generated)
-                if token in self.adapter.stop_token_ids:
-                    stopped = True
-                    break
-                generated.append(token)
-                logits = self._forward(self.adapter.embed_tokens([token]),
-                                       text_positions(start + len(generated) - 1, 1, axes))
-                text = self.adapter.decode(generated)
-                cut = _stop_index(text, sampling.stop)
-                if cut is not None:
-                    text, stopped = text[:cut], True
-                if not text.endswith("\ufffd") and len(text) > len(emitted):
-                    piece, emitted = text[len(emitted):], text
-                    yield piece
-                if cut is not None:
-                    break
+            token = r.sample(r.logits, r.generated)
+            if token in self.adapter.stop_token_ids:
+                r.stopped = True
+                return self._finish_reply(r)
+            r.generated.append(token)
+            axes = self.adapter.kv_spec.position_axes
+            r.logits = self._forward(self.adapter.embed_tokens([token]),
+                                     text_positions(r.start + len(r.generated) - 1, 1, axes))
         finally:
-            fed = len(generated)
             self.counters.decode_ms += (time.perf_counter() - t0) * 1000
-            self.counters.decoded_tokens += fed
-            closing = list(self.adapter.finish_reply(generated, stopped))
-            if closing:
-                logits = self._forward(self.adapter.embed_tokens(closing), text_positions(start + fed, len(closing), axes))
-            self._eval(logits)
-            self._last_logits = logits
-            if fed + len(closing):
-                spans = spans_from_runs([(SpanKind.RESPONSE, fed), (SpanKind.BOUNDARY, len(closing))])
-                self.history.append(Unit(uid=uid, kind=UnitKind.REPLY, spans=tuple(spans),
-                                         positions=text_positions(start, fed + len(closing), axes),
-                                         label=question[:40]))
-                self.counters.units += 1
-                self._maintain()
-        text = self.adapter.decode(generated)
-        cut = _stop_index(text, sampling.stop)
+        text = self.adapter.decode(r.generated)
+        cut = _stop_index(text, r.sampling.stop)
+        if cut is not None:
+            r.stopped = True
+            return self._finish_reply(r)
+        return self._emit(r, text)
+
+    def _emit(self, r: _Reply, text: str) -> str:
+        if text.endswith("\ufffd") or len(text) <= len(r.emitted):
+            return ""
+        piece, r.emitted = text[len(r.emitted):], text
+        return piece
+
+    def _finish_reply(self, r: _Reply) -> str:
+        """Close the reply: the adapter's closing tokens, the reply unit into the history, retention. Returns the
+        text not yet emitted. Called at the reply's end, by a new question, or for an abandoned reply."""
+        if r.done:
+            return ""
+        r.done = True
+        if self._open is r:
+            self._open = None
+        t0 = time.perf_counter()
+        axes = self.adapter.kv_spec.position_axes
+        fed = len(r.generated)
+        self.counters.decoded_tokens += fed
+        closing = list(self.adapter.finish_reply(r.generated, r.stopped))
+        logits = r.logits
+        if closing:
+            logits = self._forward(self.adapter.embed_tokens(closing), text_positions(r.start + fed, len(closing), axes))
+        self._eval(logits)
+        self._last_logits = logits
+        self.counters.decode_ms += (time.perf_counter() - t0) * 1000
+        if fed + len(closing):
+            spans = spans_from_runs([(SpanKind.RESPONSE, fed), (SpanKind.BOUNDARY, len(closing))])
+            self.history.append(Unit(uid=r.uid, kind=UnitKind.REPLY, spans=tuple(spans),
+                                     positions=text_positions(r.start, fed + len(closing), axes),
+                                     label=r.question[:40]))
+            self.counters.units += 1
+            self._maintain()
+        text = self.adapter.decode(r.generated)
+        cut = _stop_index(text, r.sampling.stop)
         if cut is not None:
             text = text[:cut]
-        if len(text) > len(emitted) and not text.endswith("\ufffd"):
-            yield text[len(emitted):]
+        return self._emit(r, text)
 
 
 def _check_text(text) -> str:

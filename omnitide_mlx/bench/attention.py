@@ -23,6 +23,7 @@ from ..models.stream_units import resolve_profile
 from ..core.sim import LAYOUT_NAMES
 from ..kernels import plan_tiles, tile_skip_attention
 from ..kernels import attention as attn
+from ..kernels.cost import limit  # noqa: F401  (the key-count limit; one definition, shared with the cost model)
 from .attention_args import DESCRIPTION, HELP, add_arguments  # noqa: F401  (the benchmark module's command line)
 from .common import Timing, cache_flusher, load_average, time_interleaved, versions
 from .report import write_outputs
@@ -68,14 +69,6 @@ def _sdpa_blocks(q: mx.array, k: mx.array, v: mx.array, keys: int, scale: float)
         outs.append(mx.fast.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, :end], v[:, :, :end], scale=scale,
                                                           mask="causal"))
     return mx.concatenate(outs, axis=2)
-
-
-def limit(phase: str, full_keys: int, active_slots: int, t: int) -> float:
-    """Speedup that skipping allows: keys a query visits densely / keys in active tiles (module docstring)."""
-    if phase == "decode":
-        return full_keys / active_slots
-    causal = (t + 1) / 2
-    return (full_keys - t + causal) / (active_slots - t + causal)
 
 
 def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_dim: int, dtype, rng,
