@@ -39,6 +39,7 @@ class PagedKVCache:
     """
 
     DTYPES: ClassVar[dict[str, Any]] = {}  # dtype name -> the backend's dtype
+    QUANTISED_KV: ClassVar[bool] = False  # whether the backend holds quantised K/V (``kv_quant`` in a saved state)
     STATE_NAME: ClassVar[str] = "cache"  # what error messages call a saved state of this class
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, rope, dtype, *, page_size: int,
@@ -250,16 +251,21 @@ class PagedKVCache:
         """Every array needed to restore the cache exactly."""
         if self._step is not None:
             raise CacheError("state of a cache with an open step")
-        arrays = {}
-        for layer in self.layers:
-            if layer.keys is not None:
-                arrays[f"layers.{layer.index}.keys"] = layer.keys
-                arrays[f"layers.{layer.index}.values"] = layer.values
+        arrays = self._buffer_arrays()
         t = self.table.state()
         for name in TABLE_ARRAYS:
             arrays[f"table.{name}"] = self._array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
         if self.collect_scores:
             arrays["scores"] = self._scores_state()
+        return arrays
+
+    def _buffer_arrays(self) -> dict:
+        """Every layer's K/V buffers by saved name (a backend with more arrays per layer overrides this)."""
+        arrays = {}
+        for layer in self.layers:
+            if layer.keys is not None:
+                arrays[f"layers.{layer.index}.keys"] = layer.keys
+                arrays[f"layers.{layer.index}.values"] = layer.values
         return arrays
 
     @property
@@ -290,6 +296,9 @@ class PagedKVCache:
         or a bad table raises :class:`CacheError`."""
         if meta.get("format") != CACHE_FORMAT:
             raise CacheError(f"not an {cls.STATE_NAME} state (format {meta.get('format')!r}, want {CACHE_FORMAT!r})")
+        if meta.get("kv_quant") and not cls.QUANTISED_KV:
+            raise CacheError(f"a quantised cache state (kv_bits {meta['kv_quant'].get('bits')}): {cls.STATE_NAME} "
+                             "holds float K/V only; load it with OmniCache (MLX)")
         try:
             cache = cls._from_meta(meta, **options)
             cache.evictions = int(meta["evictions"])
