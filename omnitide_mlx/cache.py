@@ -352,6 +352,14 @@ class OmniCache(PagedKVCache):
         if self.kv_bits and self.kv_rerotate == "deferred":
             self._shift = np.concatenate([self._shift, np.zeros(capacity - self._capacity, dtype=np.int64)])
 
+    def _shrink_buffers(self, capacity: int) -> None:
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys = mx.contiguous(layer.keys[:, :, :capacity])  # a copy: the old buffers are freed
+                layer.values = mx.contiguous(layer.values[:, :, :capacity])
+                mx.eval(layer.keys, layer.values)
+        self._scores = self._scores[:capacity].copy()
+
     # --- eviction (evict: PagedKVCache) -------------------------------------------------------------------------
     def _rerotate(self, slots: np.ndarray, shifts: np.ndarray) -> None:
         """Rotate the keys at ``slots`` by ``-shifts`` (one rotation per key, float32, one rounding back)."""
