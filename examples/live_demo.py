@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     p.add_argument("--high", type=int, default=None)
     p.add_argument("--low", type=int, default=None)
     p.add_argument("--kv-budget", default=None)
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantised KV (8 or 4 bits)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
+    p.add_argument("--kv-keep-sinks-full", action="store_true", help="system prefix (sinks) in full precision")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
                    help="scripted question at T seconds (for headless runs); otherwise type questions")
@@ -71,7 +74,8 @@ def main(argv=None) -> int:
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     session = OmniSession(args.model, policy=args.policy, high=args.high, low=args.low, kv_budget=args.kv_budget,
-                          on_update=show)
+                          kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                          kv_keep_sinks_full=args.kv_keep_sinks_full, on_update=show)
     stop = threading.Event()
     clock = {"t": 0.0, "done": False}
     producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock), daemon=True)

@@ -230,12 +230,15 @@ class StreamingSession:
     """
 
     backend = "none"
+    QUANTISED_KV = False  # whether the backend's cache can hold quantised K/V (kv_bits)
 
     def __init__(self, model, processor=None, *, system_prompt: str | None = None,
                  policy: RetentionPolicy | str | None = "omnitide", high: int | None = None, low: int | None = None,
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
-                 on_update: Callable[[UpdateRecord], None] | None = None):
+                 on_update: Callable[[UpdateRecord], None] | None = None, kv_bits: int | None = None,
+                 kv_group_size: int = 64, kv_keep_sinks_full: bool = False):
         # everything that can be checked without the model is checked before it loads
+        self.kv_quant = self._check_kv_quant(kv_bits, kv_group_size, kv_keep_sinks_full)
         budget = kv_budget_bytes(kv_budget) if kv_budget is not None else None
         if budget is not None:
             if high is not None:
@@ -262,7 +265,7 @@ class StreamingSession:
         self.kv_dtype = kv_dtype or self._default_kv_dtype(model)
         self.kv_budget = budget
         if budget is not None:
-            bh, bl = watermarks_for_budget(budget, spec.bytes_per_token(self.kv_dtype), page_size=page_size, low=low)
+            bh, bl = watermarks_for_budget(budget, self._kv_bytes_per_token(spec), page_size=page_size, low=low)
             if isinstance(policy, RetentionPolicy):  # applied, not ignored: a copy with the budget's watermarks
                 self.policy = copy.copy(policy)
                 self.policy.high, self.policy.low = bh, bl
@@ -302,6 +305,25 @@ class StreamingSession:
         self._audio_driven = False
         self._seconds = 0.0  # stream time given to units pushed without t
         self._last_logits = None
+
+    def _check_kv_quant(self, bits, group_size, keep_sinks_full) -> dict:
+        """Quantised KV options (mlx-lm's --kv-bits / --kv-group-size), checked before the model loads; {} for
+        float KV. The MLX session holds them (session.py); a backend that cannot says so here."""
+        if bits is None:
+            if keep_sinks_full:
+                raise ValueError("kv_keep_sinks_full keeps the sinks in full precision in a quantised cache: set "
+                                 "kv_bits")
+            return {}
+        if bits not in (4, 8):
+            raise ValueError(f"kv_bits must be 8 or 4, got {bits!r}")
+        if group_size not in (32, 64, 128):
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {group_size!r}")
+        if not self.QUANTISED_KV:
+            raise ValueError(f"the {self.backend} backend holds float K/V only (kv_bits is MLX's)")
+        return {"kv_bits": int(bits), "kv_group_size": int(group_size), "keep_sinks_full": bool(keep_sinks_full)}
+
+    def _kv_bytes_per_token(self, spec) -> int:
+        return spec.bytes_per_token(self.kv_dtype)
 
     # --- backend hooks ------------------------------------------------------------------------------------------
     def _load_model(self, path) -> tuple[Any, Any]:
@@ -436,7 +458,7 @@ class StreamingSession:
                 "kv_bytes_retained": layout.retained_cells * self.cache.bytes_per_token,
                 "kv_budget": self.kv_budget,
                 "capacity_bound": self.capacity_bound(),
-                "kv_bytes_per_token": self.adapter.kv_spec.bytes_per_token(self.kv_dtype),
+                "kv_bytes_per_token": self.cache.bytes_per_token,
                 "next_position": self.history.next_position(),
                 "evictions": c.evictions,
                 "evicted_tokens": c.evicted_tokens,

@@ -55,6 +55,7 @@ class OmniSession(StreamingSession):
     """
 
     backend = "mlx"
+    QUANTISED_KV = True
 
     def _load_model(self, path):
         from .models import load
@@ -80,7 +81,12 @@ class OmniSession(StreamingSession):
     def _make_cache(self, spec, *, placement, page_size, subblock_size, collect_scores) -> OmniCache:
         keep_cpu_buffers()  # every session creates (or, in _load_cache, loads) its cache once
         return OmniCache.for_spec(spec, dtype=self.kv_dtype, page_size=page_size, subblock_size=subblock_size,
-                                  placement=placement, collect_scores=collect_scores)
+                                  placement=placement, collect_scores=collect_scores, **self.kv_quant)
+
+    def _kv_bytes_per_token(self, spec) -> int:
+        if not self.kv_quant:
+            return super()._kv_bytes_per_token(spec)
+        return OmniCache.for_spec(spec, dtype=self.kv_dtype, **self.kv_quant).bytes_per_token
 
     def _load_cache(self, path: Path) -> OmniCache:
         keep_cpu_buffers()

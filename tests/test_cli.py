@@ -156,3 +156,35 @@ def test_live_demo_runs_headless_on_a_file(tiny_checkpoints, media_dir):
     assert "Q: What do you see?" in r.stdout
     assert r.stderr.count("kv ") >= 3  # the live KV footprint, one line per update
     assert "evictions" in r.stderr
+
+
+def test_stream_with_quantised_kv(tiny_checkpoints, media_dir, tmp_path):
+    """``--kv-bits 4`` runs the bundled clip with evictions and a migration; the KV per token counts packed values,
+    scales and biases; the saved session restores its quantised cache. A head_dim the group does not divide (the
+    tiny Qwen's 16) and a torch run with --kv-bits get clear errors."""
+    out, sess = tmp_path / "o.json", tmp_path / "sess"
+    r = omnitide("stream", "--model", tiny_checkpoints["minicpmo"], "--video", media_dir / "video_10s_av.mp4",
+                 "--seconds", 5, "--ask", "2:What colour?", "--high", 200, "--low", 120, "--max-tokens", 3,
+                 "--kv-bits", 4, "--kv-group-size", 32, "--kv-keep-sinks-full", "--json", out,
+                 "--save-session", sess, "--quiet")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(out.read_text())["stats"]
+    meta = json.loads((sess / "session.json").read_text())
+    layers, kv_heads, head_dim = 2, 2, 32  # the tiny MiniCPM-o's LLM
+    scale_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[meta["kv_dtype"]]
+    assert stats["kv_bytes_per_token"] == 2 * layers * kv_heads * (head_dim // 2 + 2 * (head_dim // 32) * scale_bytes)
+    assert stats["evictions"] >= 1 and stats["retained_cells"] <= 200
+    from omnitide_mlx.cache import OmniCache
+
+    cache = OmniCache.load(sess / "kv.safetensors")
+    assert (cache.kv_bits, cache.kv_group_size, cache.keep_sinks_full) == (4, 32, True)
+    assert cache.table.retained == stats["retained_cells"]
+    r = omnitide("stream", "--model", tiny_checkpoints["qwen"], "--audio", media_dir / "tone_440_1s_16k.wav",
+                 "--kv-bits", 4, "--quiet")
+    assert r.returncode == 1 and "kv_group_size 64 does not divide head_dim 16" in r.stderr
+    r = omnitide("stream", "--model", tiny_checkpoints["qwen"], "--audio", media_dir / "tone_440_1s_16k.wav",
+                 "--kv-keep-sinks-full", "--quiet")
+    assert r.returncode == 1 and "--kv-keep-sinks-full goes with --kv-bits" in r.stderr
+    r = omnitide("stream", "--backend", "torch", "--model", tiny_checkpoints["qwen"], "--audio",
+                 media_dir / "tone_440_1s_16k.wav", "--kv-bits", 8, "--quiet")
+    assert r.returncode == 1 and "float K/V only" in r.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .stream import add_model_arguments, add_sampling_arguments, sampling_kwargs, session_from_args
+from .stream import add_kv_arguments, add_model_arguments, add_sampling_arguments, sampling_kwargs, session_from_args
 
 HELP = "answer one prompt about optional images, audio or a video (like mlx_lm.generate)"
 DESCRIPTION = """Answer one prompt, optionally about images, an audio file or a video, and print the answer as it
@@ -23,6 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--audio", default=None, help="audio file")
     p.add_argument("--video", default=None, help="video file (a frame a second with its audio)")
+    add_kv_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--verbose", action="store_true", help="print per-unit details")
 

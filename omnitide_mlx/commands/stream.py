@@ -50,6 +50,21 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low", type=int, default=None, help="low watermark in tokens (default 1800)")
 
 
+def add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    """Quantised KV flags, named as mlx-lm names them (``--kv-bits``, ``--kv-group-size``)."""
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                   help="hold the KV cache quantised to 8 or 4 bits (default: the model's float dtype)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="quantisation group size along the head dimension (default 64)")
+    p.add_argument("--kv-keep-sinks-full", action="store_true",
+                   help="with --kv-bits: keep the system prefix (the attention sinks) in full precision")
+
+
+def kv_kwargs(args) -> dict:
+    return dict(kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64),
+                kv_keep_sinks_full=getattr(args, "kv_keep_sinks_full", False))
+
+
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["mlx", "torch"], default="mlx",
                    help="mlx (default) or torch: transformers' Qwen2.5-Omni thinker on PyTorch (CUDA or CPU; needs "
@@ -68,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=None, help="stream at most this many seconds")
     p.add_argument("--realtime", action="store_true", help="pace the stream at one unit per wall-clock second")
     add_policy_arguments(p)
+    add_kv_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--stats", action="store_true", help="print one line per streaming update")
     p.add_argument("--json", default=None, metavar="PATH", help="write answers and per-update KV figures as JSON")
@@ -90,7 +106,13 @@ def session_from_args(args, on_update=None):
     """Load the model and build an OmniSession (``--backend mlx``) or a TorchSession (``--backend torch``) from the
     shared model / policy flags."""
     backend = getattr(args, "backend", "mlx")
+    kv = kv_kwargs(args)
+    if kv["kv_keep_sinks_full"] and kv["kv_bits"] is None:
+        raise ValueError("--kv-keep-sinks-full goes with --kv-bits")
     if backend == "torch":
+        if kv["kv_bits"] is not None:
+            raise ValueError("--kv-bits: the torch backend holds float K/V only (docs/torch.md)")
+        kv = {}
         try:
             import torch
 
@@ -113,7 +135,7 @@ def session_from_args(args, on_update=None):
     model, processor = load(args.model, **load_kw)
     print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     session = session_class((model, processor), system_prompt=args.system_prompt, policy=args.policy,
-                            high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update)
+                            high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update, **kv)
     session.model_path = args.model
     return session
 
