@@ -15,6 +15,7 @@ _LAZY = {
     "MediaError": ("omnitide_mlx.errors", "MediaError"),
     "SessionError": ("omnitide_mlx.errors", "SessionError"),
     "SessionBusyError": ("omnitide_mlx.errors", "SessionBusyError"),
+    "InputTooLargeError": ("omnitide_mlx.errors", "InputTooLargeError"),
     "CheckpointError": ("omnitide_mlx.models.loading", "CheckpointError"),
     "OmniTide": ("omnitide_mlx.core.pick", "OmniTide"),
     "OmniPick": ("omnitide_mlx.core.pick", "OmniPick"),

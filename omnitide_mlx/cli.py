@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "omnitide_mlx.commands.doctor",
     "eval": "omnitide_mlx.commands.eval",
     "generate": "omnitide_mlx.commands.generate",
+    "serve": "omnitide_mlx.commands.serve",
     "simulate": "omnitide_mlx.commands.simulate",
     "stream": "omnitide_mlx.commands.stream",
 }

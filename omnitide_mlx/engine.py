@@ -18,7 +18,9 @@ module imports no array framework.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import threading
 import time
@@ -32,10 +34,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .core.page import AllocClass
-from .core.pick import RetentionPolicy, apply_plan, make_policy
+from .core.page import MigrationPlanner
+from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
 from .core.sim import make_layout
 from .core.units import History, SpanKind, Unit, UnitKind
-from .errors import MediaError, SessionBusyError, SessionError
+from .errors import InputTooLargeError, MediaError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
 
@@ -60,6 +63,7 @@ class UpdateRecord:
     update_ms: float
     evicted_tokens: int = 0
     migrated_cells: int = 0
+    kv_retained_bytes: int = 0  # what the retained tokens hold (``kv_bytes`` is the buffers' allocated capacity)
 
 
 @dataclass
@@ -118,45 +122,104 @@ class _Reply:
     abandoned: bool = False  # its iterator was closed or dropped before the end
 
 
+RESERVE_PAGES = 2  # a KV budget's high watermark sits this many pages under its ceiling (see watermarks_for_budget)
+REPLY_CLOSING_RESERVE = 8  # slots kept for the tokens that close a reply (2-3 in the supported models)
+
+
 def policy_from(policy: RetentionPolicy | str | None, high: int | None = None, low: int | None = None) -> RetentionPolicy:
     """A policy from a name (``omnitide``, ``omnipick``, ``full``, ``fifo``, ``token``, ``streamingllm``, ``h2o``,
-    ``eager``) or an instance (returned as is)."""
+    ``eager``) or an instance (returned as is; ``high`` / ``low`` with an instance are an error, not ignored)."""
     if policy is None:
         policy = "omnitide"
     if isinstance(policy, str):
         kw = {}
         if high is not None:
-            kw["high"] = int(high)
+            kw["high"] = _watermark("high", high)
         if low is not None:
-            kw["low"] = int(low)
+            kw["low"] = _watermark("low", low)
         return make_policy(policy, **kw)
+    if not isinstance(policy, RetentionPolicy):
+        raise ValueError(f"policy must be a policy name or a RetentionPolicy, got {type(policy).__name__}")
+    if high is not None or low is not None:
+        raise ValueError(f"high= / low= go with a policy name; {policy!r} is an instance: set its watermarks there "
+                         f"({type(policy).__name__}(high=..., low=...))")
     return policy
 
 
-def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = 0.72) -> tuple[int, int]:
-    """High / low watermarks (tokens) that keep the KV under ``budget_bytes``: users think in memory.
+def _watermark(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} watermark must be a positive int (tokens), got {value!r}")
+    return int(value)
 
-    The low watermark keeps the paper's default 1800 / 2500 ratio, so trims leave room for the next units.
+
+def budget_slots(budget_bytes: int, bytes_per_token: int, page_size: int = 64) -> int:
+    """The KV slots a budget pays for, in whole pages: the cache's buffers never hold more."""
+    return budget_bytes // bytes_per_token // page_size * page_size
+
+
+def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = 0.72, *,
+                          page_size: int = 64, low: int | None = None) -> tuple[int, int]:
+    """High / low watermarks (tokens) under a KV budget: users think in memory.
+
+    The budget pays for ``budget_slots`` slots (whole pages); the cache never grows past them. ``high`` sits
+    ``RESERVE_PAGES`` pages under that ceiling (the room class-aware placement may leave in pages of another class)
+    and ``low`` keeps the paper's 1800 / 2500 ratio unless given. A unit that would not fit the free room is
+    preceded by an early trim (the session's ``_make_room``), so the ceiling holds whatever the unit sizes.
     """
-    if budget_bytes <= 0:
-        raise ValueError(f"KV budget must be positive (got {budget_bytes} bytes)")
-    high = budget_bytes // bytes_per_token
+    budget_bytes = kv_budget_bytes(budget_bytes, check_memory=False)
+    slots = budget_slots(budget_bytes, bytes_per_token, page_size)
+    high = slots - RESERVE_PAGES * page_size
     if high < 64:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds only {high} tokens "
-                         f"({bytes_per_token} bytes per token); raise it")
-    return int(high), max(1, int(high * low_ratio))
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds only {slots} tokens ({bytes_per_token} bytes per "
+                         f"token, whole pages of {page_size}); raise it to at least "
+                         f"{(64 + RESERVE_PAGES * page_size) * bytes_per_token} bytes")
+    if low is None:
+        low = max(1, int(high * low_ratio))
+    elif _watermark("low", low) > high:
+        raise ValueError(f"low watermark {low} is above the KV budget's high watermark {high}")
+    return int(high), int(low)
 
 
 def parse_bytes(text: str) -> int:
     """``512MiB``, ``2GB``, ``1.5GiB``, ``100000`` -> bytes."""
     units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-             "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
-    s = text.strip().lower().replace(" ", "")
+             "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+    s = str(text).strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num):]
-    if not num or unit not in units:
-        raise ValueError(f"cannot read {text!r} as a size (examples: 512MiB, 2GB)")
-    return int(float(num) * units[unit])
+    try:
+        value = float(num) * units[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"cannot read {text!r} as a size (examples: 512MiB, 2GB)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"a size must be positive and finite, got {text!r}")
+    return int(value)
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def kv_budget_bytes(value, check_memory: bool = True) -> int:
+    """A KV budget (bytes, or a size string like ``"512MiB"``) as a positive int, checked before anything loads:
+    not a bool, NaN, negative, or (``check_memory``) more than the machine's memory."""
+    if isinstance(value, str):
+        budget = parse_bytes(value)
+    elif isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"kv_budget must be bytes or a size like '512MiB', got {value!r}")
+    else:
+        if not math.isfinite(float(value)) or value <= 0:
+            raise ValueError(f"kv_budget must be a positive, finite number of bytes, got {value!r}")
+        budget = int(value)
+    total = machine_memory_bytes() if check_memory else None
+    if total and budget > total:
+        raise ValueError(f"a KV budget of {value!r} ({budget / 2**30:.3g} GiB) is more than this machine's memory "
+                         f"({total / 2**30:.1f} GiB)")
+    return budget
 
 
 class StreamingSession:
@@ -172,9 +235,24 @@ class StreamingSession:
                  policy: RetentionPolicy | str | None = "omnitide", high: int | None = None, low: int | None = None,
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
                  on_update: Callable[[UpdateRecord], None] | None = None):
+        # everything that can be checked without the model is checked before it loads
+        budget = kv_budget_bytes(kv_budget) if kv_budget is not None else None
+        if budget is not None:
+            if high is not None:
+                raise ValueError("kv_budget sets the high watermark: give kv_budget (and optionally low) or high / low")
+            name = policy if isinstance(policy, str) or policy is None else policy_from(policy).name
+            if policy_from(name).name == "full":
+                raise ValueError("policy 'full' never evicts, so it cannot stay under a kv_budget; give it high / low "
+                                 "or choose an evicting policy")
+            if low is not None and not isinstance(policy, (str, type(None))):
+                raise ValueError("low= goes with a policy name; with a policy instance, kv_budget sets both watermarks")
+            if low is not None:
+                _watermark("low", low)
+        else:
+            self.policy = policy_from(policy, high, low)
         self.model_path = None
         if isinstance(model, (str, os.PathLike)):
-            self.model_path = str(model)
+            self.model_path = _model_ref(model)
             model, processor = self._load_model(model)
         elif isinstance(model, tuple):
             model, processor = model
@@ -182,21 +260,33 @@ class StreamingSession:
         self.adapter: StreamAdapter = model.stream_adapter(processor)
         spec = self.adapter.kv_spec
         self.kv_dtype = kv_dtype or self._default_kv_dtype(model)
-        if kv_budget is not None:
-            budget = parse_bytes(kv_budget) if isinstance(kv_budget, str) else int(kv_budget)
-            high, low = watermarks_for_budget(budget, spec.bytes_per_token(self.kv_dtype))
-        self.policy = policy_from(policy, high, low)
+        self.kv_budget = budget
+        if budget is not None:
+            bh, bl = watermarks_for_budget(budget, spec.bytes_per_token(self.kv_dtype), page_size=page_size, low=low)
+            if isinstance(policy, RetentionPolicy):  # applied, not ignored: a copy with the budget's watermarks
+                self.policy = copy.copy(policy)
+                self.policy.high, self.policy.low = bh, bl
+            else:
+                self.policy = policy_from(policy, bh, bl)
         self.system_prompt = system_prompt
         self.on_update = on_update
         table, self.planner = make_layout(self.policy.layout, page_size, subblock_size)
         self.cache = self._make_cache(spec, placement=table.placement, page_size=page_size,
                                       subblock_size=subblock_size, collect_scores=self.policy.needs_scores)
+        self._apply_budget()
         self.history = History()
         self.counters = SessionCounters()
         self.records: list[UpdateRecord] = []
         self._init_stream_state()
         with self._lock:
-            self._prefill(self.adapter.system_unit(system_prompt, 0), AllocClass.MUST_KEEP)
+            system = self.adapter.system_unit(system_prompt, 0)
+            self._check_size(system)
+            self._prefill(system, AllocClass.MUST_KEEP)
+
+    def _apply_budget(self) -> None:
+        self._max_slots = (budget_slots(self.kv_budget, self.cache.bytes_per_token, self.cache.table.page_size)
+                           if self.kv_budget is not None else None)
+        self.cache.max_capacity = self._max_slots
 
     def _init_stream_state(self) -> None:
         self._lock = threading.Lock()  # the engine: held for one bounded piece of work, never across a yield
@@ -343,6 +433,9 @@ class StreamingSession:
                 "active_subblocks": layout.active_subblocks,
                 "capacity": layout.capacity,
                 "kv_bytes": self.cache.nbytes,
+                "kv_bytes_retained": layout.retained_cells * self.cache.bytes_per_token,
+                "kv_budget": self.kv_budget,
+                "capacity_bound": self.capacity_bound(),
                 "kv_bytes_per_token": self.adapter.kv_spec.bytes_per_token(self.kv_dtype),
                 "next_position": self.history.next_position(),
                 "evictions": c.evictions,
@@ -383,9 +476,10 @@ class StreamingSession:
             meta = {
                 "format": SESSION_FORMAT,
                 "backend": self.backend,
-                "model_path": self.model_path,
+                "model_path": _model_ref(self.model_path) if self.model_path else None,
                 "system_prompt": self.system_prompt,
                 "policy": self.policy.config(),
+                "kv_budget": self.kv_budget,
                 "kv_dtype": str(self.kv_dtype).split(".")[-1],
                 "history": self.history.to_json(),
                 "adapter": meta_adapter,
@@ -415,7 +509,7 @@ class StreamingSession:
             if not meta.get("model_path"):
                 raise ValueError("the saved session does not record its model; pass model=")
             model = meta["model_path"]
-        self.model_path = str(model) if isinstance(model, (str, os.PathLike)) else meta.get("model_path")
+        self.model_path = _model_ref(model) if isinstance(model, (str, os.PathLike)) else meta.get("model_path")
         if isinstance(model, (str, os.PathLike)):
             model, processor = self._load_model(model)
         elif isinstance(model, tuple):
@@ -428,6 +522,8 @@ class StreamingSession:
         self.system_prompt = meta.get("system_prompt")
         self.on_update = on_update
         self.cache = self._load_cache(path / "kv.safetensors")
+        self.kv_budget = meta.get("kv_budget")
+        self._apply_budget()
         _, self.planner = make_layout(self.policy.layout, self.cache.page_table.page_size,
                                       self.cache.page_table.subblock_size)
         self.history = History.from_json(meta["history"])
@@ -558,8 +654,12 @@ class StreamingSession:
         self._seconds = t + 1.0
         return [self._unit(prepared)]
 
-    def _unit(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT) -> UpdateRecord:
+    def _unit(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT,
+              reserve: int = 0, question: bool = False) -> UpdateRecord:
+        """Prefill one unit and run retention. ``reserve``: slots that must stay free after it (a reply's)."""
+        self._check_size(prepared, reserve, question)
         t0 = time.perf_counter()
+        self._make_room(prepared.length + reserve)
         uid = self._prefill(prepared, alloc_class)
         t1 = time.perf_counter()
         evicted, migrated = self._maintain()
@@ -570,11 +670,78 @@ class StreamingSession:
             retained_cells=layout.retained_cells, physical_span=layout.physical_span,
             active_pages=layout.active_pages, active_subblocks=layout.active_subblocks, kv_bytes=self.cache.nbytes,
             prefill_ms=(t1 - t0) * 1000, maintenance_ms=(t2 - t1) * 1000, update_ms=(t2 - t0) * 1000,
-            evicted_tokens=evicted, migrated_cells=migrated)
+            evicted_tokens=evicted, migrated_cells=migrated,
+            kv_retained_bytes=layout.retained_cells * self.cache.bytes_per_token)
         self.records.append(rec)
         if self.on_update is not None:
             self.on_update(rec)
         return rec
+
+    def _check_size(self, prepared: PreparedUnit, reserve: int = 0, question: bool = False) -> None:
+        """Reject (InputTooLargeError, nothing touched) a unit the session could not keep: under a KV budget, one
+        that does not fit next to the system prefix (with ``reserve``: a question and its reply); without one,
+        text longer than the high watermark leaves room for (it would be computed only to be evicted)."""
+        n = prepared.length
+        what = {UnitKind.USER: "the question" if question else "the text", UnitKind.MEDIA: "the media unit",
+                UnitKind.SYSTEM: "the system prompt"}.get(prepared.kind, f"the {prepared.kind.value} unit")
+        page = self.cache.table.page_size
+        if self._max_slots is not None:
+            room = self._max_slots - (-(-self.history.system_tokens // page) * page if len(self.history) else 0)
+            if n + reserve > room:
+                extra = f" plus {reserve} slots for its reply (max_tokens)" if reserve else ""
+                raise InputTooLargeError(
+                    f"{what} is {n} tokens{extra}; the KV budget of {self.kv_budget} bytes holds {self._max_slots} "
+                    f"tokens, {room} of them for one input next to the system prompt: shorten it"
+                    f"{', lower max_tokens' if reserve else ''} or raise kv_budget")
+        elif (prepared.kind is UnitKind.USER and self.policy.name != "full"
+              and n > self.policy.high - self.history.system_tokens):
+            raise InputTooLargeError(
+                f"{what} is {n} tokens; the high watermark {self.policy.high} leaves "
+                f"{self.policy.high - self.history.system_tokens} next to the system prompt, so it would be evicted "
+                "as soon as it was computed: shorten it or raise high")
+
+    def _room(self) -> int:
+        return self.cache.table.free_slots_for(AllocClass.RECENT_CONTEXT, self._max_slots)
+
+    def _make_room(self, n: int) -> None:
+        """Under a KV budget, make sure ``n`` new tokens fit below the ceiling before they are computed: trim early
+        (the policy's own choice toward a lower target, then whole units oldest first), then compact the layout.
+        Without a budget the cache grows as it needs (and gives the room back in ``_trim_capacity``)."""
+        if self._max_slots is None or self._room() >= n:
+            return
+        t0 = time.perf_counter()
+        target = max(0, self._max_slots - RESERVE_PAGES * self.cache.table.page_size - n)
+        keep = self._trim_mask(target)
+        plan = plan_from_mask(self.history, keep, self.policy.name)
+        if plan.deleted_tokens:
+            self._apply_retention(plan)
+        if self._room() < n:
+            mplan = MigrationPlanner("eager").plan(self.cache.page_table)
+            if mplan.accepted:
+                self.counters.migrations += 1
+                self.counters.migrated_cells += self.cache.migrate(mplan)
+        self.counters.maintenance_ms += (time.perf_counter() - t0) * 1000
+        if self._room() < n:  # _check_size admitted it, so this is a bug, not bad input
+            raise SessionError(f"could not make room for {n} tokens under the KV ceiling of {self._max_slots} slots "
+                               f"({self.cache.table!r})")
+
+    def _trim_mask(self, target: int) -> np.ndarray:
+        """Which tokens to keep so that at most ``target`` remain (the system prefix always stays)."""
+        h = self.history
+        if h.stream_units:
+            policy = copy.copy(self.policy)
+            policy.low = max(1, min(policy.low, target))
+            scores = self.cache.token_scores(h) if policy.needs_scores else None
+            keep = np.asarray(policy.keep_mask(h, scores), dtype=bool).copy()
+        else:
+            keep = np.ones(h.total_tokens, dtype=bool)
+        offsets = h.offsets()
+        for i, u in enumerate(h):
+            if keep.sum() <= target:
+                break
+            if u.kind is not UnitKind.SYSTEM:
+                keep[offsets[i]:offsets[i] + u.length] = False
+        return keep
 
     def _prefill(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT) -> int:
         uid = self.history.next_uid()
@@ -589,6 +756,21 @@ class StreamingSession:
         self._last_logits = logits
         return uid
 
+    def _apply_retention(self, plan: RetentionPlan) -> tuple[int, int]:
+        """Evict what ``plan`` deletes (cache and history), then let the layout migrate; returns (evicted, moved)."""
+        self.cache.evict(plan, self.history)
+        self.history = apply_plan(self.history, plan)
+        evicted = plan.tokens_before - plan.tokens_after
+        self.counters.evictions += 1
+        self.counters.evicted_tokens += evicted
+        migrated = 0
+        mplan = self.planner.plan(self.cache.page_table)
+        if mplan.accepted:
+            migrated = self.cache.migrate(mplan)
+            self.counters.migrations += 1
+            self.counters.migrated_cells += migrated
+        return evicted, migrated
+
     def _maintain(self) -> tuple[int, int]:
         """Retention after a prefill: the policy's plan, the cache's eviction, and the layout's migration."""
         t0 = time.perf_counter()
@@ -596,24 +778,36 @@ class StreamingSession:
         scores = self.cache.token_scores(self.history) if self.policy.needs_scores else None
         plan = self.policy.plan(self.history, scores=scores)
         if plan is not None and plan.tokens_after < plan.tokens_before:
-            self.cache.evict(plan, self.history)
-            self.history = apply_plan(self.history, plan)
-            evicted = plan.tokens_before - plan.tokens_after
-            self.counters.evictions += 1
-            self.counters.evicted_tokens += evicted
-            mplan = self.planner.plan(self.cache.page_table)
-            if mplan.accepted:
-                migrated = self.cache.migrate(mplan)
-                self.counters.migrations += 1
-                self.counters.migrated_cells += migrated
+            evicted, migrated = self._apply_retention(plan)
         span = self.cache.layout_stats().physical_span
         self.counters.peak_physical_span = max(self.counters.peak_physical_span, span)
+        self._trim_capacity()
         self.counters.maintenance_ms += (time.perf_counter() - t0) * 1000
         return evicted, migrated
 
+    def capacity_bound(self) -> int | None:
+        """The slots the cache's buffers return to after a large input has gone: the budget's ceiling, or the high
+        watermark plus the cache's growth step (None for a policy that never evicts)."""
+        if self._max_slots is not None:
+            return self._max_slots
+        if self.policy.name == "full":
+            return None
+        page = self.cache.table.page_size
+        return (-(-self.policy.high // page) + self.cache.grow_pages) * page
+
+    def _trim_capacity(self) -> None:
+        bound = self.capacity_bound()
+        if bound is None or self.cache.capacity <= bound:
+            return
+        target = max(bound, self.cache.layout_stats().physical_span)
+        if self.cache.capacity > target:
+            self.cache.shrink(target)
+
     def _begin_reply(self, r: _Reply) -> None:
         """Prefill the question as a unit and open the reply (its tokens will belong to the next uid)."""
-        self._unit(self.adapter.user_unit(r.question, self.history.next_position()))
+        self._unit(self.adapter.user_unit(r.question, self.history.next_position()),
+                   reserve=r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None else 0,
+                   question=True)
         r.logits = self._last_logits
         r.sample = self._sampler(r.sampling)
         r.uid = self.history.next_uid()
@@ -682,6 +876,13 @@ class StreamingSession:
         if cut is not None:
             text = text[:cut]
         return self._emit(r, text)
+
+
+def _model_ref(model) -> str:
+    """What a saved session records as its model: an existing local path made absolute (a relative one would be
+    looked up on the Hub when restored from another folder), anything else (a Hub id) as given."""
+    p = Path(os.fspath(model)).expanduser()
+    return str(p.resolve()) if p.exists() else os.fspath(model)
 
 
 def _check_text(text) -> str:

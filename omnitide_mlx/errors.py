@@ -14,3 +14,8 @@ class SessionError(RuntimeError):
 class SessionBusyError(SessionError):
     """An operation that needs the session idle (``save``) while a reply's iterator is still open: finish it, or
     ``close()`` it, first."""
+
+
+class InputTooLargeError(MediaError):
+    """One input (a question, a piece of text, a media unit) larger than the session can keep: over the KV budget,
+    or (text) over the high watermark. Rejected before it is computed; the session goes on unchanged."""

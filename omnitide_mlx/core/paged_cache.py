@@ -30,7 +30,8 @@ class PagedKVCache:
     """The bookkeeping half of a paged KV cache; subclasses provide the hooks that touch tensors.
 
     Hooks: ``layers`` (each with ``index``, ``keys``, ``values``, ``nbytes``), ``dtype_bytes``,
-    ``_grow_buffers(capacity)`` (every layer's buffers and the scores, to ``capacity`` slots), ``_rerotate(slots,
+    ``_grow_buffers(capacity)`` / ``_shrink_buffers(capacity)`` (every layer's buffers and the scores, to
+    ``capacity`` slots), ``_rerotate(slots,
     shifts)``, ``_move_rows(src, dst)`` (K, V and scores of every layer), ``_zero_scores(slots)``,
     ``_scores_at(slots)`` (numpy float32), and for persistence ``_array(numpy)`` / ``_to_numpy(array)``,
     ``_scores_state()``, ``_from_meta(meta, **options)`` (an empty cache of the saved configuration),
@@ -61,6 +62,7 @@ class PagedKVCache:
         self.evictions = 0  # evict() calls so far (also numbers the rounding streams: reproducible)
         self.table = PageTable(page_size, subblock_size, placement=placement)
         self._capacity = 0  # slots backed by the buffers (>= table.capacity)
+        self.max_capacity: int | None = None  # a hard ceiling on slots (a KV budget), a page multiple; None: none
         self._owner: tuple[int, AllocClass] | None = None
         self._step = None
         self.moved_rows = 0  # entries copied by migrations so far
@@ -107,6 +109,9 @@ class PagedKVCache:
         if not isinstance(tokens, (int, np.integer)) or tokens <= 0:
             raise CacheError(f"a step writes a positive number of tokens, got {tokens!r}")
         uid, cls = self._owner
+        if self.max_capacity is not None and self.table.free_slots_for(cls, self.max_capacity) < tokens:
+            raise CacheError(f"{tokens} new tokens do not fit under the cache's ceiling of {self.max_capacity} "
+                             f"slots ({self.table.retained} retained): trim before writing")
         slots = self.table.allocate(int(tokens), uid, cls)
         self._ensure_capacity(self.table.capacity)
         return slots
@@ -127,8 +132,25 @@ class PagedKVCache:
         page = self.table.page_size
         new = max(needed, self._capacity + self.grow_pages * page)
         new = -(-new // page) * page
+        if self.max_capacity is not None:
+            new = min(new, max(self.max_capacity, -(-needed // page) * page))
         self._grow_buffers(new)
         self._capacity = new
+
+    def shrink(self, capacity: int) -> None:
+        """Give back the buffers' slots at and after ``capacity`` (rounded up to a page); they must be free."""
+        if self._step is not None:
+            raise CacheError("shrink() inside an open step")
+        page = self.table.page_size
+        capacity = -(-int(capacity) // page) * page
+        if capacity >= self._capacity:
+            return
+        try:
+            self.table.shrink(capacity)
+        except LayoutError as e:
+            raise CacheError(str(e)) from e
+        self._shrink_buffers(capacity)
+        self._capacity = capacity
 
     # --- eviction -----------------------------------------------------------------------------------------------
     def logical_slots(self) -> np.ndarray:
