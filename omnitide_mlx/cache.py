@@ -34,6 +34,7 @@ from .core.paged_cache import CACHE_FORMAT, CacheError, PagedKVCache
 from .kernels import DECODE_TILE, PREFILL_TILE, AttentionError, TilePlan, page_compact, plan_tiles, tile_skip_attention
 from .kernels.quantized import (
     FREE_SEQ,
+    KeyShift,
     check_quant,
     dequantize_rows,
     quantize_rows,
@@ -43,6 +44,7 @@ from .rope import RopeSpec
 
 __all__ = ["CACHE_FORMAT", "DECODE_MAX_TOKENS", "CacheError", "OmniCache", "OmniLayerCache", "stochastic_round"]
 
+KV_REROTATE = ("deferred", "requantize")
 DECODE_MAX_TOKENS = 19  # steps of fewer than 20 tokens take the decode path (32-slot subblocks), as llama.cpp does
 
 def stochastic_round(y: mx.array, dtype, key: mx.array) -> mx.array:
@@ -83,6 +85,7 @@ class _Step:
     full_seq: mx.array | None = None  # [F] int32 serial of every full-precision row (FREE_SEQ: unused)
     full_slots: mx.array | None = None  # slots of the used full-precision rows (return_scores)
     full_used: mx.array | None = None  # those rows
+    shift: KeyShift | None = None  # kv_rerotate="deferred": keys still to be rotated at read time
 
 
 class OmniLayerCache:
@@ -134,7 +137,7 @@ class OmniLayerCache:
                     buf[:, :, step.write, :] = part
         step.written += 1
         full = None if step.full_seq is None else (self.full_keys, self.full_values, step.full_seq)
-        quant = dict(group_size=p.kv_group_size, bits=p.kv_bits, full=full)
+        quant = dict(group_size=p.kv_group_size, bits=p.kv_bits, full=full, shift=step.shift)
         if not p.collect_scores:
             return quantized_tile_skip_attention(q, self.keys, self.values, step.plan, scale, **quant)
         out, scores, full_scores = quantized_tile_skip_attention(q, self.keys, self.values, step.plan, scale,
@@ -200,8 +203,10 @@ class OmniCache(PagedKVCache):
     quantisation in groups of ``kv_group_size``: packed values, scales and biases in the same slots, pages and
     subblocks); attention runs on the packed rows (kernels/quantized.py). ``keep_sinks_full`` keeps the must-keep
     class (the system prefix, which holds the stream's first tokens, the attention sinks) in full precision, in
-    compact per-layer buffers of their own. Eviction dequantises kept keys to float32, re-rotates them once and
-    quantises them once.
+    compact per-layer buffers of their own. ``kv_rerotate``: how eviction moves quantised kept keys. "deferred"
+    (default): each slot accumulates its shift and attention rotates the dequantised key at read time, so a key is
+    quantised once, when written; "requantize": dequantise to float32, rotate once, quantise once per eviction
+    (the quantisation noise then accumulates: measured in tests/cache/test_cache_drift.py).
     """
 
     DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -212,7 +217,7 @@ class OmniCache(PagedKVCache):
                  dtype=mx.float16, *, page_size: int = PREFILL_TILE, subblock_size: int = DECODE_TILE,
                  placement: str = "class_aware", grow_pages: int = 4, collect_scores: bool = False,
                  rounding: str = "stochastic", seed: int = 0, kv_bits: int | None = None, kv_group_size: int = 64,
-                 keep_sinks_full: bool = False):
+                 keep_sinks_full: bool = False, kv_rerotate: str = "deferred"):
         super().__init__(num_layers, kv_heads, head_dim, rope, dtype, page_size=page_size,
                          subblock_size=subblock_size, placement=placement, grow_pages=grow_pages,
                          collect_scores=collect_scores, rounding=rounding, seed=seed)
@@ -223,6 +228,10 @@ class OmniCache(PagedKVCache):
                 raise CacheError(str(e)) from None
         elif keep_sinks_full:
             raise CacheError("keep_sinks_full keeps the sinks in full precision in a quantised cache: set kv_bits")
+        if kv_rerotate not in KV_REROTATE:
+            raise CacheError(f"kv_rerotate must be 'deferred' or 'requantize', got {kv_rerotate!r}")
+        self.kv_rerotate = kv_rerotate
+        self._shift = np.zeros(0, dtype=np.int64)  # kv_bits, deferred: per slot, positions its key is still to move
         self.kv_bits = None if kv_bits is None else int(kv_bits)
         self.kv_group_size = int(kv_group_size)
         self.keep_sinks_full = bool(keep_sinks_full)
@@ -268,6 +277,10 @@ class OmniCache(PagedKVCache):
         plan = plan_tiles(slot_seq, self.table.seq[slots], tiles, tile)
         self._step = _Step(slots=slots, write=_write_index(slots), plan=plan, tokens=int(tokens),
                            full_write=full_write)
+        if self._shift.size:
+            self._shift[slots] = 0  # new keys are written at their positions
+            if self._shift.any():
+                self._step.shift = KeyShift(self._shift[: self._capacity].copy(), self.rope.rotate_tokens)
         if self.keep_sinks_full and (self._full_slot >= 0).any():
             used = np.flatnonzero(self._full_slot >= 0)
             fseq = np.full(self._full_slot.shape[0], FREE_SEQ, dtype=np.int64)
@@ -336,6 +349,8 @@ class OmniCache(PagedKVCache):
             layer._grow(capacity)
         self._scores = np.concatenate([self._scores, np.zeros(capacity - self._capacity, dtype=np.float32)])
         self._full_row = np.concatenate([self._full_row, np.full(capacity - self._capacity, -1, dtype=np.int64)])
+        if self.kv_bits and self.kv_rerotate == "deferred":
+            self._shift = np.concatenate([self._shift, np.zeros(capacity - self._capacity, dtype=np.int64)])
 
     def _shrink_buffers(self, capacity: int) -> None:
         for layer in self.layers:
@@ -373,6 +388,9 @@ class OmniCache(PagedKVCache):
         rows = self._full_row[slots] if self.keep_sinks_full else np.full(slots.size, -1)
         quant, full = rows < 0, rows >= 0
         gs, bits = self.kv_group_size, self.kv_bits
+        if self.kv_rerotate == "deferred":  # rotated at read time, from the values quantised once when written
+            np.add.at(self._shift, slots[quant], shifts[quant])
+            quant = np.zeros_like(quant)
         for layer in self.layers:
             if quant.any():
                 idx = mx.array(slots[quant].astype(np.int32))
@@ -411,6 +429,10 @@ class OmniCache(PagedKVCache):
                 values[:, :, dst_idx, :] = v_rows
                 del k_rows, v_rows
                 mx.eval(keys, values)
+        if self._shift.size:
+            moved = self._shift[src].copy()
+            self._shift[src] = 0
+            self._shift[dst] = moved
         if self.keep_sinks_full:  # full-precision rows stay where they are; they now stand for the new slots
             rows = self._full_row[src].copy()
             self._full_row[src] = -1
@@ -454,6 +476,8 @@ class OmniCache(PagedKVCache):
                 arrays[f"layers.{layer.index}.full_values"] = layer.full_values
         if self._full_slot.size:
             arrays["full_slots"] = mx.array(self._full_slot.astype(np.int32))
+        if self._shift.size:
+            arrays["key_shifts"] = mx.array(self._shift.astype(np.int32))
         return arrays
 
     @property
@@ -461,7 +485,7 @@ class OmniCache(PagedKVCache):
         meta = super().meta_state
         if self.kv_bits:
             meta["kv_quant"] = {"bits": self.kv_bits, "group_size": self.kv_group_size,
-                                "keep_sinks_full": self.keep_sinks_full}
+                                "keep_sinks_full": self.keep_sinks_full, "rerotate": self.kv_rerotate}
         return meta
 
     def _array(self, a: np.ndarray) -> mx.array:
@@ -502,6 +526,10 @@ class OmniCache(PagedKVCache):
                                          f"{tuple(part.shape)}, expected {ref.dtype} {tuple(ref.shape)}")
                 setattr(layer, kind, parts)
         self._full_row = np.full(capacity, -1, dtype=np.int64)
+        if self.kv_rerotate == "deferred":
+            self._shift = np.array(arrays["key_shifts"], dtype=np.int64)
+            if self._shift.shape != (capacity,):
+                raise CacheError(f"saved key shifts cover {self._shift.shape[0]} slots, the buffers {capacity}")
         if self.keep_sinks_full and "full_slots" in arrays:
             self._full_slot = np.array(arrays["full_slots"], dtype=np.int64)
             n = self._full_slot.shape[0]
@@ -538,4 +566,5 @@ def _quant_options(meta: dict) -> dict:
     q = meta.get("kv_quant")
     if not q:
         return {}
-    return {"kv_bits": q["bits"], "kv_group_size": q["group_size"], "keep_sinks_full": q["keep_sinks_full"]}
+    return {"kv_bits": q["bits"], "kv_group_size": q["group_size"], "keep_sinks_full": q["keep_sinks_full"],
+            "kv_rerotate": q["rerotate"]}

@@ -11,6 +11,11 @@ float32); a key is ``packed_code * scale + bias`` per group (``mx.dequantize``).
 normalisation; the cache keeps its must-keep class, the system prefix with the attention sinks, there when asked).
 The quantised slots that those rows stand for must be free (-1) in the plan's ``slot_seq``.
 
+``shift`` (a :class:`KeyShift`) optionally says that some stored keys are still to be rotated by ``-shift`` positions
+(deferred re-rotation: a quantised cache does not re-quantise kept keys at every eviction, it accumulates each
+slot's shift and rotates at read time, see cache.py). Runs of keys with a non-zero shift are dequantised to float32,
+rotated once and multiplied in float32; the others go through ``mx.quantized_matmul``.
+
 The reference follows mlx-lm's quantised SDPA: scores and outputs through ``mx.quantized_matmul`` on the packed rows
 (with float32 queries MLX computes them in float32: measured exact to 4e-6 against a float32 dequantisation), the
 query heads of a KV head stacked as rows (GQA without repeating K). The tiles are reached as the fp reference
@@ -18,6 +23,9 @@ reaches them (one slice, run by run, or a gather of the active tiles: the packed
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +37,33 @@ KV_GROUP_SIZES = (32, 64, 128)
 FREE_SEQ = np.iinfo(np.int32).max  # serial of an unused full-precision row: visible to no query
 
 QTriple = tuple[mx.array, mx.array, mx.array]
+
+
+@dataclass
+class KeyShift:
+    """Positions each stored key still has to move: ``shift`` [capacity] int64 (0: stored at its position), and
+    ``rotate(x [n, Hkv, D] float32, offsets [n] int32) -> float32`` (the model's RoPE, e.g. RopeSpec.rotate_tokens).
+    Built once per step and shared by every layer (which runs need rotating is cached)."""
+
+    shift: np.ndarray
+    rotate: Callable
+    _offsets: mx.array | None = None
+    _any: dict = field(default_factory=dict)
+
+    @property
+    def offsets(self) -> mx.array:
+        if self._offsets is None:
+            self._offsets = mx.array((-self.shift).astype(np.int32))
+        return self._offsets
+
+    def any_in(self, sel: slice | mx.array) -> bool:
+        """Whether any key of a run (slice) or gather (index array) has a shift (cached per run / gather)."""
+        key = (sel.start, sel.stop) if isinstance(sel, slice) else id(sel)
+        hit = self._any.get(key)
+        if hit is None:
+            slots = sel if isinstance(sel, slice) else np.array(sel)
+            hit = self._any[key] = bool(np.any(self.shift[slots]))
+        return hit
 
 
 def check_quant(bits, group_size, head_dim: int) -> None:
@@ -85,7 +120,8 @@ def _check(q: mx.array, k: QTriple, v: QTriple, plan: TilePlan, group_size: int,
 
 
 def quantized_tile_skip_attention(q: mx.array, k: QTriple, v: QTriple, plan: TilePlan, scale: float, *,
-                                  group_size: int, bits: int, full=None, return_scores: bool = False):
+                                  group_size: int, bits: int, full=None, shift: KeyShift | None = None,
+                                  return_scores: bool = False):
     """Attention of ``q`` over the quantised active tiles (and the full-precision rows, if any); see the module
     docstring. With ``return_scores`` also returns the attention each slot received, float32 [capacity], and each
     full-precision row received, float32 [F] (None without ``full``)."""
@@ -109,7 +145,7 @@ def quantized_tile_skip_attention(q: mx.array, k: QTriple, v: QTriple, plan: Til
         qb = q[:, :, i0:i1, :] if block < t else q
         if outs:  # one block after another (see reference_attention)
             qb = mx.depends(qb, outs[-1])
-        o, p_q, p_f = _attend_block(qb, k, v, blk, plan.q_seq[i0:i1], scale, g, group_size, bits, full,
+        o, p_q, p_f = _attend_block(qb, k, v, blk, plan.q_seq[i0:i1], scale, g, group_size, bits, full, shift,
                                     return_scores)
         outs.append(o)
         if p_q is not None:
@@ -127,21 +163,32 @@ def _take(t: QTriple, a: int | None = None, b: int | None = None, idx: mx.array 
     return tuple(x[:, :, a:b, :] for x in t)
 
 
+def _keys_scores(qg, k: QTriple, sel, shift: KeyShift | None, group_size: int, bits: int) -> mx.array:
+    """Scores of the stacked queries against one run (``sel`` a slice) or gather (``sel`` an index array) of keys."""
+    kk = _take(k, idx=sel) if isinstance(sel, mx.array) else _take(k, sel.start, sel.stop)
+    if shift is None or not shift.any_in(sel):
+        return mx.quantized_matmul(qg, *kk, transpose=True, group_size=group_size, bits=bits)
+    x = dequantize_rows(kk, group_size, bits)[0].transpose(1, 0, 2)  # [n, Hkv, D]
+    off = shift.offsets[sel]
+    x = shift.rotate(x, off).transpose(1, 0, 2)[None]
+    return qg @ x.swapaxes(-1, -2)
+
+
 def _attend_block(q, k: QTriple, v: QTriple, blk: _Block | None, q_seq: mx.array, scale: float, g: int,
-                  group_size: int, bits: int, full, return_scores: bool):
+                  group_size: int, bits: int, full, shift: KeyShift | None, return_scores: bool):
     """One query block: (output [1, Hq, tb, D] float32, attention per selected slot, per full row)."""
     _, hq, tb, d = q.shape
     hkv = k[0].shape[1]
     quant = dict(group_size=group_size, bits=bits)
     qg = (q.astype(mx.float32) * scale).reshape(1, hkv, g * tb, d)  # rows (g, t): GQA without repeating K
     if blk is None or blk.mode == "none":
-        keys, values = [], []
+        sels, values = [], []
     elif blk.mode == "gather":
-        keys, values = [_take(k, idx=blk.idx)], [_take(v, idx=blk.idx)]
+        sels, values = [blk.idx], [_take(v, idx=blk.idx)]
     else:  # one view per run, no copy
-        keys = [_take(k, a, b) for a, b in blk.runs]
+        sels = [slice(a, b) for a, b in blk.runs]
         values = [_take(v, a, b) for a, b in blk.runs]
-    parts = [mx.quantized_matmul(qg, *kk, transpose=True, **quant) for kk in keys]
+    parts = [_keys_scores(qg, k, sel, shift, group_size, bits) for sel in sels]
     if blk is not None and blk.bias is not None:
         parts = [s + bias for s, bias in zip(parts, blk.bias)]
     n_q = sum(s.shape[-1] for s in parts)

@@ -123,3 +123,33 @@ def test_bad_input_is_rejected():
         quantized_tile_skip_attention(q, k, k, plan, 1.0, group_size=64, bits=4)
     with pytest.raises(AttentionError, match="q has"):
         quantized_tile_skip_attention(mx.array(rand(rng, (1, 2, 2, 64))), k, k, plan, 1.0, group_size=32, bits=4)
+
+
+@pytest.mark.parametrize("path", ["runs", "gather"])
+def test_deferred_key_shifts_are_rotated_at_read(path, monkeypatch):
+    """Keys stored with a pending shift (KeyShift) attend as if rotated by -shift: the oracle rotates the dequantised
+    keys in float64. Runs without a shift keep the quantised matmul."""
+    from stream_oracle import rope64
+
+    from omnitide_mlx.kernels.quantized import KeyShift
+    from omnitide_mlx.rope import RopeSpec
+
+    if path == "gather":
+        monkeypatch.setattr(attn, "DECODE_MAX_RUNS", 0)
+    rng = np.random.default_rng(11)
+    tile, capacity, d, gs, bits = 32, 256, 64, 64, 8
+    seq, qs, tiles = random_layout(rng, capacity, tile, 0.6, 3)
+    shift = np.zeros(capacity, np.int64)
+    shift[:96] = rng.integers(0, 500, 96)  # tiles 0-2 shifted, the rest not
+    q = rand(rng, (1, 4, 3, d))
+    k, k_deq = _quantised(rng, (1, 2, capacity, d), gs, bits)
+    v, v_deq = _quantised(rng, (1, 2, capacity, d), gs, bits)
+    rope = RopeSpec(d, 10000.0)
+    ks = KeyShift(shift, rope.rotate_tokens)
+    out = quantized_tile_skip_attention(mx.array(q), k, v, plan_tiles(seq, qs, tiles, tile), 0.125, group_size=gs,
+                                        bits=bits, shift=ks)
+    k_rot = rope64(k_deq[0].astype(np.float64), -shift[None, :])[None]  # [1, Hkv, capacity, D]
+    ref, _ = oracle_attention(q, k_rot, v_deq, seq, qs, tiles, tile, 0.125)
+    np.testing.assert_allclose(np.array(out), ref, atol=5e-5, rtol=1e-4)
+    wrong, _ = oracle_attention(q, k_deq, v_deq, seq, qs, tiles, tile, 0.125)
+    assert np.abs(np.array(out) - wrong).max() > 1e-2  # the shift really matters
