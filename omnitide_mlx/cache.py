@@ -29,12 +29,22 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .core.page import AllocClass
 from .core.paged_cache import CACHE_FORMAT, CacheError, PagedKVCache
-from .kernels import DECODE_TILE, PREFILL_TILE, TilePlan, page_compact, plan_tiles, tile_skip_attention
+from .kernels import DECODE_TILE, PREFILL_TILE, AttentionError, TilePlan, page_compact, plan_tiles, tile_skip_attention
+from .kernels.quantized import (
+    FREE_SEQ,
+    KeyShift,
+    check_quant,
+    dequantize_rows,
+    quantize_rows,
+    quantized_tile_skip_attention,
+)
 from .rope import RopeSpec
 
 __all__ = ["CACHE_FORMAT", "DECODE_MAX_TOKENS", "CacheError", "OmniCache", "OmniLayerCache", "stochastic_round"]
 
+KV_REROTATE = ("deferred", "requantize")
 DECODE_MAX_TOKENS = 19  # steps of fewer than 20 tokens take the decode path (32-slot subblocks), as llama.cpp does
 
 def stochastic_round(y: mx.array, dtype, key: mx.array) -> mx.array:
@@ -55,6 +65,13 @@ def stochastic_round(y: mx.array, dtype, key: mx.array) -> mx.array:
     return mx.where(mx.random.uniform(shape=y.shape, key=key) < p, other, near)
 
 
+def _write_index(slots: np.ndarray) -> slice | mx.array:
+    """A slice when the slots are consecutive (a cheaper update), else an index array."""
+    if slots.size and np.all(np.diff(slots) == 1):
+        return slice(int(slots[0]), int(slots[-1]) + 1)
+    return mx.array(slots.astype(np.int32))
+
+
 @dataclass
 class _Step:
     """What every layer of one forward step shares: the new tokens' slots and the attention plan."""
@@ -64,6 +81,11 @@ class _Step:
     plan: TilePlan
     tokens: int
     written: int = 0
+    full_write: slice | mx.array | None = None  # rows of the full-precision buffers this step writes (kv_bits)
+    full_seq: mx.array | None = None  # [F] int32 serial of every full-precision row (FREE_SEQ: unused)
+    full_slots: mx.array | None = None  # slots of the used full-precision rows (return_scores)
+    full_used: mx.array | None = None  # those rows
+    shift: KeyShift | None = None  # kv_rerotate="deferred": keys still to be rotated at read time
 
 
 class OmniLayerCache:
@@ -73,8 +95,10 @@ class OmniLayerCache:
     def __init__(self, parent: "OmniCache", index: int):
         self._parent = parent
         self.index = index
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: mx.array | list[mx.array] | None = None  # quantised (kv_bits): [packed, scales, biases]
+        self.values: mx.array | list[mx.array] | None = None
+        self.full_keys: mx.array | None = None  # kv_bits with keep_sinks_full: [1, Hkv, F, D] must-keep rows
+        self.full_values: mx.array | None = None
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         """``q`` [1, Hq, T, D], ``k`` / ``v`` [1, Hkv, T, D] (RoPE already applied at the tokens' positions)."""
@@ -88,6 +112,8 @@ class OmniLayerCache:
         if q.ndim != 4 or q.shape[0] != 1 or q.shape[2] != step.tokens or q.shape[3] != p.head_dim:
             raise CacheError(f"layer {self.index}: q must be [1, Hq, {step.tokens}, {p.head_dim}], got "
                              f"{tuple(q.shape)}")
+        if p.kv_bits:
+            return self._attend_quantized(q, k, v, scale, step)
         self.keys[:, :, step.write, :] = k.astype(p.dtype)
         self.values[:, :, step.write, :] = v.astype(p.dtype)
         step.written += 1
@@ -98,16 +124,59 @@ class OmniLayerCache:
             return out
         return tile_skip_attention(q, self.keys, self.values, scale=scale, plan=step.plan)
 
+    def _attend_quantized(self, q: mx.array, k: mx.array, v: mx.array, scale: float, step: _Step) -> mx.array:
+        """Write the step's K/V quantised into its slots (or in full precision into its full rows), then attend
+        over the quantised tiles and the full-precision rows in one softmax."""
+        p = self._parent
+        if step.full_write is not None:
+            self.full_keys[:, :, step.full_write, :] = k.astype(p.dtype)
+            self.full_values[:, :, step.full_write, :] = v.astype(p.dtype)
+        else:
+            for bufs, x in ((self.keys, k), (self.values, v)):
+                for buf, part in zip(bufs, quantize_rows(x.astype(p.dtype), p.kv_group_size, p.kv_bits)):
+                    buf[:, :, step.write, :] = part
+        step.written += 1
+        full = None if step.full_seq is None else (self.full_keys, self.full_values, step.full_seq)
+        quant = dict(group_size=p.kv_group_size, bits=p.kv_bits, full=full, shift=step.shift)
+        if not p.collect_scores:
+            return quantized_tile_skip_attention(q, self.keys, self.values, step.plan, scale, **quant)
+        out, scores, full_scores = quantized_tile_skip_attention(q, self.keys, self.values, step.plan, scale,
+                                                                 return_scores=True, **quant)
+        if full_scores is not None and step.full_slots is not None:
+            scores = scores.at[step.full_slots].add(full_scores[step.full_used])
+        p._step_scores = scores if p._step_scores is None else p._step_scores + scores
+        return out
+
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
+    def state(self) -> tuple:
         return self.keys, self.values
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        if self.keys is None:
+            return 0
+        parts = [*self.keys, *self.values] if isinstance(self.keys, list) else [self.keys, self.values]
+        if self.full_keys is not None:
+            parts += [self.full_keys, self.full_values]
+        return sum(a.nbytes for a in parts)
+
+    def _quant_zeros(self, slots: int) -> list[mx.array]:
+        p = self._parent
+        return [mx.zeros((1, p.kv_heads, slots, p.head_dim * p.kv_bits // 32), mx.uint32),
+                mx.zeros((1, p.kv_heads, slots, p.head_dim // p.kv_group_size), p.dtype),
+                mx.zeros((1, p.kv_heads, slots, p.head_dim // p.kv_group_size), p.dtype)]
 
     def _grow(self, capacity: int) -> None:
         p = self._parent
+        if p.kv_bits:
+            if self.keys is None:
+                self.keys, self.values = self._quant_zeros(capacity), self._quant_zeros(capacity)
+                return
+            extra = capacity - self.keys[0].shape[2]
+            if extra > 0:
+                self.keys = [mx.concatenate([a, z], axis=2) for a, z in zip(self.keys, self._quant_zeros(extra))]
+                self.values = [mx.concatenate([a, z], axis=2) for a, z in zip(self.values, self._quant_zeros(extra))]
+            return
         if self.keys is None:
             shape = (1, p.kv_heads, capacity, p.head_dim)
             self.keys, self.values = mx.zeros(shape, p.dtype), mx.zeros(shape, p.dtype)
@@ -129,18 +198,45 @@ class OmniCache(PagedKVCache):
     ``collect_scores`` every attention also accumulates the attention each slot receives (for H2O). ``rounding``:
     how re-rotated keys return to a half-precision cache ("stochastic", seeded by ``seed`` and the eviction count,
     or "nearest" for comparison).
+
+    ``kv_bits`` (8 or 4; None: float K/V) holds K and V quantised per slot row along the head dimension (MLX affine
+    quantisation in groups of ``kv_group_size``: packed values, scales and biases in the same slots, pages and
+    subblocks); attention runs on the packed rows (kernels/quantized.py). ``keep_sinks_full`` keeps the must-keep
+    class (the system prefix, which holds the stream's first tokens, the attention sinks) in full precision, in
+    compact per-layer buffers of their own. ``kv_rerotate``: how eviction moves quantised kept keys. "deferred"
+    (default): each slot accumulates its shift and attention rotates the dequantised key at read time, so a key is
+    quantised once, when written; "requantize": dequantise to float32, rotate once, quantise once per eviction
+    (the quantisation noise then accumulates: measured in tests/cache/test_cache_drift.py).
     """
 
     DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
     STATE_NAME = "OmniCache"
+    QUANTISED_KV = True
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, rope: RopeSpec | None = None,
                  dtype=mx.float16, *, page_size: int = PREFILL_TILE, subblock_size: int = DECODE_TILE,
                  placement: str = "class_aware", grow_pages: int = 4, collect_scores: bool = False,
-                 rounding: str = "stochastic", seed: int = 0):
+                 rounding: str = "stochastic", seed: int = 0, kv_bits: int | None = None, kv_group_size: int = 64,
+                 keep_sinks_full: bool = False, kv_rerotate: str = "deferred"):
         super().__init__(num_layers, kv_heads, head_dim, rope, dtype, page_size=page_size,
                          subblock_size=subblock_size, placement=placement, grow_pages=grow_pages,
                          collect_scores=collect_scores, rounding=rounding, seed=seed)
+        if kv_bits is not None:
+            try:
+                check_quant(kv_bits, kv_group_size, self.head_dim)
+            except AttentionError as e:
+                raise CacheError(str(e)) from None
+        elif keep_sinks_full:
+            raise CacheError("keep_sinks_full keeps the sinks in full precision in a quantised cache: set kv_bits")
+        if kv_rerotate not in KV_REROTATE:
+            raise CacheError(f"kv_rerotate must be 'deferred' or 'requantize', got {kv_rerotate!r}")
+        self.kv_rerotate = kv_rerotate
+        self._shift = np.zeros(0, dtype=np.int64)  # kv_bits, deferred: per slot, positions its key is still to move
+        self.kv_bits = None if kv_bits is None else int(kv_bits)
+        self.kv_group_size = int(kv_group_size)
+        self.keep_sinks_full = bool(keep_sinks_full)
+        self._full_slot = np.zeros(0, dtype=np.int64)  # keep_sinks_full: slot held by each full row (-1 unused)
+        self._full_row = np.zeros(0, dtype=np.int64)  # per slot: its full row (-1: quantised or free)
         self.layers = [OmniLayerCache(self, i) for i in range(self.num_layers)]
         self._step: _Step | None = None
         self._scores = np.zeros(0, dtype=np.float32)  # accumulated attention per slot (collect_scores)
@@ -172,10 +268,26 @@ class OmniCache(PagedKVCache):
         decode = tokens <= DECODE_MAX_TOKENS
         tiles = self.table.active_subblocks() if decode else self.table.active_pages()
         tile = self.table.subblock_size if decode else self.table.page_size
-        plan = plan_tiles(self._slot_seq(), self.table.seq[slots], tiles, tile)
-        contiguous = bool(np.all(np.diff(slots) == 1))
-        write = slice(int(slots[0]), int(slots[-1]) + 1) if contiguous else mx.array(slots.astype(np.int32))
-        self._step = _Step(slots=slots, write=write, plan=plan, tokens=int(tokens))
+        slot_seq = self._slot_seq()
+        full_write = None
+        if self.keep_sinks_full:
+            if self._owner[1] == AllocClass.MUST_KEEP:
+                full_write = _write_index(self._take_full_rows(slots))
+            slot_seq = np.where(self._full_row[: slot_seq.shape[0]] >= 0, -1, slot_seq)  # not in the quantised rows
+        plan = plan_tiles(slot_seq, self.table.seq[slots], tiles, tile)
+        self._step = _Step(slots=slots, write=_write_index(slots), plan=plan, tokens=int(tokens),
+                           full_write=full_write)
+        if self._shift.size:
+            self._shift[slots] = 0  # new keys are written at their positions
+            if self._shift.any():
+                self._step.shift = KeyShift(self._shift[: self._capacity].copy(), self.rope.rotate_tokens)
+        if self.keep_sinks_full and (self._full_slot >= 0).any():
+            used = np.flatnonzero(self._full_slot >= 0)
+            fseq = np.full(self._full_slot.shape[0], FREE_SEQ, dtype=np.int64)
+            fseq[used] = self.table.seq[self._full_slot[used]]
+            self._step.full_seq = mx.array(fseq.astype(np.int32))
+            self._step.full_used = mx.array(used.astype(np.int32))
+            self._step.full_slots = mx.array(self._full_slot[used].astype(np.int32))
         self._step_scores = None
         return slots
 
@@ -200,27 +312,104 @@ class OmniCache(PagedKVCache):
             raise CacheError("abort_step() without begin_step()")
         self._step = None
         self._step_scores = None
+        self._release_full_rows(step.slots)
         self.table.free(step.slots)
+
+    # --- full-precision rows of the must-keep class (kv_bits with keep_sinks_full) -----------------------------
+    def _take_full_rows(self, slots: np.ndarray) -> np.ndarray:
+        """Assign a full-precision row to each slot, growing the full buffers by whole pages when needed."""
+        free = np.flatnonzero(self._full_slot < 0)
+        if free.size < slots.size:
+            old = self._full_slot.shape[0]
+            page = self.table.page_size
+            new = -(-(old + slots.size - free.size) // page) * page
+            self._full_slot = np.concatenate([self._full_slot, np.full(new - old, -1, dtype=np.int64)])
+            shape = (1, self.kv_heads, new - old, self.head_dim)
+            for layer in self.layers:
+                if layer.full_keys is None:
+                    layer.full_keys, layer.full_values = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
+                else:
+                    layer.full_keys = mx.concatenate([layer.full_keys, mx.zeros(shape, self.dtype)], axis=2)
+                    layer.full_values = mx.concatenate([layer.full_values, mx.zeros(shape, self.dtype)], axis=2)
+            free = np.flatnonzero(self._full_slot < 0)
+        rows = free[: slots.size]
+        self._full_slot[rows] = slots
+        self._full_row[slots] = rows
+        return rows
+
+    def _release_full_rows(self, slots: np.ndarray) -> None:
+        if not self.keep_sinks_full or slots.size == 0:
+            return
+        rows = self._full_row[slots]
+        self._full_slot[rows[rows >= 0]] = -1
+        self._full_row[slots] = -1
 
     def _grow_buffers(self, capacity: int) -> None:
         for layer in self.layers:
             layer._grow(capacity)
         self._scores = np.concatenate([self._scores, np.zeros(capacity - self._capacity, dtype=np.float32)])
+        self._full_row = np.concatenate([self._full_row, np.full(capacity - self._capacity, -1, dtype=np.int64)])
+        if self.kv_bits and self.kv_rerotate == "deferred":
+            self._shift = np.concatenate([self._shift, np.zeros(capacity - self._capacity, dtype=np.int64)])
+
+    def _shrink_buffers(self, capacity: int) -> None:
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys = mx.contiguous(layer.keys[:, :, :capacity])  # a copy: the old buffers are freed
+                layer.values = mx.contiguous(layer.values[:, :, :capacity])
+                mx.eval(layer.keys, layer.values)
+        self._scores = self._scores[:capacity].copy()
 
     # --- eviction (evict: PagedKVCache) -------------------------------------------------------------------------
     def _rerotate(self, slots: np.ndarray, shifts: np.ndarray) -> None:
         """Rotate the keys at ``slots`` by ``-shifts`` (one rotation per key, float32, one rounding back)."""
+        if self.kv_bits:
+            self._rerotate_quantized(slots, shifts)
+            return
         idx = mx.array(slots.astype(np.int32))
         offsets = mx.array((-shifts).astype(np.int32))
         for layer in self.layers:
-            rows = layer.keys[:, :, idx, :][0].transpose(1, 0, 2)  # [n, Hkv, D]
-            rot = self.rope.rotate_tokens(rows, offsets)
-            if self.rounding == "stochastic":
-                rot = stochastic_round(rot, self.dtype, mx.random.key(self._rounding_seed(layer.index)))
-            rot = rot.astype(self.dtype).transpose(1, 0, 2)[None]
-            mx.eval(rot)  # evaluated before the scatter: the buffer is then updated in place, not copied
-            layer.keys[:, :, idx, :] = rot
-            mx.eval(layer.keys)
+            layer.keys = self._rerotate_float(layer.keys, idx, offsets, layer.index)
+
+    def _rerotate_float(self, buf: mx.array, idx: mx.array, offsets: mx.array, layer: int) -> mx.array:
+        rows = buf[:, :, idx, :][0].transpose(1, 0, 2)  # [n, Hkv, D]
+        rot = self.rope.rotate_tokens(rows, offsets)
+        if self.rounding == "stochastic":
+            rot = stochastic_round(rot, self.dtype, mx.random.key(self._rounding_seed(layer)))
+        rot = rot.astype(self.dtype).transpose(1, 0, 2)[None]
+        mx.eval(rot)  # evaluated before the scatter: the buffer is then updated in place, not copied
+        buf[:, :, idx, :] = rot
+        mx.eval(buf)
+        return buf
+
+    def _rerotate_quantized(self, slots: np.ndarray, shifts: np.ndarray) -> None:
+        """Quantised keys: dequantise to float32, rotate once, quantise once (scales and biases in the cache's
+        dtype). Full-precision must-keep rows take the float path."""
+        rows = self._full_row[slots] if self.keep_sinks_full else np.full(slots.size, -1)
+        quant, full = rows < 0, rows >= 0
+        gs, bits = self.kv_group_size, self.kv_bits
+        if self.kv_rerotate == "deferred":  # rotated at read time, from the values quantised once when written
+            np.add.at(self._shift, slots[quant], shifts[quant])
+            quant = np.zeros_like(quant)
+        for layer in self.layers:
+            if quant.any():
+                idx = mx.array(slots[quant].astype(np.int32))
+                offsets = mx.array((-shifts[quant]).astype(np.int32))
+                x = dequantize_rows([a[:, :, idx, :] for a in layer.keys], gs, bits)[0].transpose(1, 0, 2)
+                rot = self.rope.rotate_tokens(x, offsets).transpose(1, 0, 2)[None]
+                parts = quantize_rows(rot, gs, bits, self.dtype)
+                mx.eval(parts)  # evaluated before the scatter: the buffers are updated in place
+                for buf, part in zip(layer.keys, parts):
+                    buf[:, :, idx, :] = part
+                mx.eval(layer.keys)
+            if full.any():
+                layer.full_keys = self._rerotate_float(layer.full_keys, mx.array(rows[full].astype(np.int32)),
+                                                       mx.array((-shifts[full]).astype(np.int32)), layer.index)
+
+    def evict(self, plan, history=None) -> np.ndarray:
+        freed = super().evict(plan, history)
+        self._release_full_rows(freed)
+        return freed
 
     def _zero_scores(self, slots: np.ndarray) -> None:
         self._scores[slots] = 0.0
@@ -231,12 +420,24 @@ class OmniCache(PagedKVCache):
         in place (evaluating the gather first is what keeps MLX from copying the whole buffer)."""
         dst_idx = mx.array(dst.astype(np.int32))
         for layer in self.layers:
-            k_rows, v_rows = page_compact(layer.keys, layer.values, src)
-            mx.eval(k_rows, v_rows)
-            layer.keys[:, :, dst_idx, :] = k_rows
-            layer.values[:, :, dst_idx, :] = v_rows
-            del k_rows, v_rows
-            mx.eval(layer.keys, layer.values)
+            # quantised: packed rows, scales and biases each move like a float buffer
+            pairs = zip(layer.keys, layer.values) if self.kv_bits else [(layer.keys, layer.values)]
+            for keys, values in pairs:
+                k_rows, v_rows = page_compact(keys, values, src)
+                mx.eval(k_rows, v_rows)
+                keys[:, :, dst_idx, :] = k_rows
+                values[:, :, dst_idx, :] = v_rows
+                del k_rows, v_rows
+                mx.eval(keys, values)
+        if self._shift.size:
+            moved = self._shift[src].copy()
+            self._shift[src] = 0
+            self._shift[dst] = moved
+        if self.keep_sinks_full:  # full-precision rows stay where they are; they now stand for the new slots
+            rows = self._full_row[src].copy()
+            self._full_row[src] = -1
+            self._full_row[dst] = rows
+            self._full_slot[rows[rows >= 0]] = dst[rows >= 0]
         if self.collect_scores:
             moved = self._scores[src].copy()
             self._scores[src] = 0.0
@@ -249,6 +450,43 @@ class OmniCache(PagedKVCache):
     @property
     def dtype_bytes(self) -> int:
         return self.dtype.size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token across all layers; quantised: packed values plus scales and biases."""
+        if not self.kv_bits:
+            return super().bytes_per_token
+        row = self.head_dim * self.kv_bits // 8 + 2 * (self.head_dim // self.kv_group_size) * self.dtype_bytes
+        return 2 * self.num_layers * self.kv_heads * row
+
+    QUANT_PARTS = ("", ".scales", ".biases")  # saved names of a quantised buffer's packed rows, scales, biases
+
+    def _buffer_arrays(self) -> dict:
+        if not self.kv_bits:
+            return super()._buffer_arrays()
+        arrays = {}
+        for layer in self.layers:
+            if layer.keys is None:
+                continue
+            for kind in ("keys", "values"):
+                for suffix, a in zip(self.QUANT_PARTS, getattr(layer, kind)):
+                    arrays[f"layers.{layer.index}.{kind}{suffix}"] = a
+            if layer.full_keys is not None:
+                arrays[f"layers.{layer.index}.full_keys"] = layer.full_keys
+                arrays[f"layers.{layer.index}.full_values"] = layer.full_values
+        if self._full_slot.size:
+            arrays["full_slots"] = mx.array(self._full_slot.astype(np.int32))
+        if self._shift.size:
+            arrays["key_shifts"] = mx.array(self._shift.astype(np.int32))
+        return arrays
+
+    @property
+    def meta_state(self) -> dict:
+        meta = super().meta_state
+        if self.kv_bits:
+            meta["kv_quant"] = {"bits": self.kv_bits, "group_size": self.kv_group_size,
+                                "keep_sinks_full": self.keep_sinks_full, "rerotate": self.kv_rerotate}
+        return meta
 
     def _array(self, a: np.ndarray) -> mx.array:
         return mx.array(a)
@@ -266,13 +504,47 @@ class OmniCache(PagedKVCache):
                    RopeSpec.from_json(meta["rope"]) if meta["rope"] else None, cls.DTYPES[meta["dtype"]],
                    page_size=tm["page_size"], subblock_size=tm["subblock_size"], placement=tm["placement"],
                    grow_pages=meta["grow_pages"], collect_scores=meta["collect_scores"],
-                   rounding=meta["rounding"], seed=meta["seed"])
+                   rounding=meta["rounding"], seed=meta["seed"], **_quant_options(meta))
 
     def _load_buffers(self, arrays: dict[str, mx.array], capacity: int) -> None:
+        if self.kv_bits:
+            self._load_quantized(arrays, capacity)
+            return
         for layer in self.layers:
             layer.keys = arrays[f"layers.{layer.index}.keys"]
             layer.values = arrays[f"layers.{layer.index}.values"]
             self._check_saved_buffers(layer.index, layer.keys, layer.values, capacity)
+
+    def _load_quantized(self, arrays: dict[str, mx.array], capacity: int) -> None:
+        want = self.layers[0]._quant_zeros(capacity)
+        for layer in self.layers:
+            for kind in ("keys", "values"):
+                parts = [arrays[f"layers.{layer.index}.{kind}{suffix}"] for suffix in self.QUANT_PARTS]
+                for part, ref in zip(parts, want):
+                    if tuple(part.shape) != tuple(ref.shape) or part.dtype != ref.dtype:
+                        raise CacheError(f"layer {layer.index}: saved quantised {kind} are {part.dtype} "
+                                         f"{tuple(part.shape)}, expected {ref.dtype} {tuple(ref.shape)}")
+                setattr(layer, kind, parts)
+        self._full_row = np.full(capacity, -1, dtype=np.int64)
+        if self.kv_rerotate == "deferred":
+            self._shift = np.array(arrays["key_shifts"], dtype=np.int64)
+            if self._shift.shape != (capacity,):
+                raise CacheError(f"saved key shifts cover {self._shift.shape[0]} slots, the buffers {capacity}")
+        if self.keep_sinks_full and "full_slots" in arrays:
+            self._full_slot = np.array(arrays["full_slots"], dtype=np.int64)
+            n = self._full_slot.shape[0]
+            used = np.flatnonzero(self._full_slot >= 0)
+            if used.size and self._full_slot[used].max() >= capacity:
+                raise CacheError(f"saved full-precision rows point past the {capacity} slots")
+            self._full_row[self._full_slot[used]] = used
+            for layer in self.layers:
+                layer.full_keys = arrays[f"layers.{layer.index}.full_keys"]
+                layer.full_values = arrays[f"layers.{layer.index}.full_values"]
+                want_f = (1, self.kv_heads, n, self.head_dim)
+                for a in (layer.full_keys, layer.full_values):
+                    if tuple(a.shape) != want_f or a.dtype != self.dtype:
+                        raise CacheError(f"layer {layer.index}: saved full-precision rows are {a.dtype} "
+                                         f"{tuple(a.shape)}, expected {self.dtype} {want_f}")
 
     def _load_scores(self, arrays: dict[str, mx.array], capacity: int) -> None:
         self._scores = (np.array(arrays["scores"], dtype=np.float32) if self.collect_scores
@@ -287,3 +559,12 @@ class OmniCache(PagedKVCache):
         """Restore a cache written by :meth:`save` (and the user metadata when asked)."""
         arrays, meta = mx.load(str(path), return_metadata=True)
         return cls._from_file(path, arrays, meta, return_metadata)
+
+
+def _quant_options(meta: dict) -> dict:
+    """OmniCache keyword arguments of a saved cache's quantisation (none for a float cache)."""
+    q = meta.get("kv_quant")
+    if not q:
+        return {}
+    return {"kv_bits": q["bits"], "kv_group_size": q["group_size"], "keep_sinks_full": q["keep_sinks_full"],
+            "kv_rerotate": q["rerotate"]}

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "convert": "omnitide_mlx.commands.convert",
     "eval": "omnitide_mlx.commands.eval",
     "generate": "omnitide_mlx.commands.generate",
+    "serve": "omnitide_mlx.commands.serve",
     "simulate": "omnitide_mlx.commands.simulate",
     "stream": "omnitide_mlx.commands.stream",
 }

@@ -7,7 +7,10 @@ A question and its reply become units of the history too.
 
 Threads: one producer (push) and one consumer (ask) may run at once. Pushes are validated in the caller's thread
 (bad media raise MediaError there and never reach the cache) and queued; whoever holds the engine lock processes
-the queue, so a capture loop never waits for a reply to finish.
+the queue, so a capture loop never waits for a reply to finish. The lock is held for one bounded piece of work at
+a time (a unit's prefill and retention, one decode step), never across a yield: while a reply is open, pushes and
+``flush()`` from any thread (the consumer's own included) queue and run when the reply ends, a new question ends
+the open reply first (a stop button), and a reply's iterator that is closed or dropped ends its reply cleanly.
 
 A backend subclass provides the model calls (``_forward``, ``_sample``), the cache and array persistence; this
 module imports no array framework.
@@ -15,26 +18,34 @@ module imports no array framework.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
+import shutil
 import threading
 import time
+import warnings
 from collections import deque
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from .core.page import AllocClass
-from .core.pick import RetentionPolicy, apply_plan, make_policy
+from .core.page import MigrationPlanner
+from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
 from .core.sim import make_layout
 from .core.units import History, SpanKind, Unit, UnitKind
-from .errors import MediaError
+from .errors import InputTooLargeError, MediaError, RestoreError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
 
-SESSION_FORMAT = 1
+SESSION_FORMAT = 2  # 2: records the model's family and KV shape, and the names of the saved arrays
+READABLE_FORMATS = (1, 2)
+SESSION_FILES = ("session.json", "kv.safetensors", "session.safetensors")
 
 
 @dataclass
@@ -55,6 +66,7 @@ class UpdateRecord:
     update_ms: float
     evicted_tokens: int = 0
     migrated_cells: int = 0
+    kv_retained_bytes: int = 0  # what the retained tokens hold (``kv_bytes`` is the buffers' allocated capacity)
 
 
 @dataclass
@@ -92,47 +104,125 @@ class _Pending:
     audio: np.ndarray | None
     text: str | None
     t: float | None
+    waiting: bool = True  # the push() that queued it has not returned yet: an error goes to it
+    error: Exception | None = None
+
+
+@dataclass
+class _Reply:
+    """An open reply: everything its decode steps share, so that no step keeps state in a suspended generator."""
+
+    question: str
+    sampling: Sampling
+    uid: int = -1
+    start: int = 0
+    sample: Callable | None = None
+    logits: Any = None
+    generated: list[int] = field(default_factory=list)
+    emitted: str = ""
+    stopped: bool = False
+    done: bool = False  # finished: the unit is in the history and nothing more is decoded
+    abandoned: bool = False  # its iterator was closed or dropped before the end
+
+
+RESERVE_PAGES = 2  # a KV budget's high watermark sits this many pages under its ceiling (see watermarks_for_budget)
+REPLY_CLOSING_RESERVE = 8  # slots kept for the tokens that close a reply (2-3 in the supported models)
 
 
 def policy_from(policy: RetentionPolicy | str | None, high: int | None = None, low: int | None = None) -> RetentionPolicy:
     """A policy from a name (``omnitide``, ``omnipick``, ``full``, ``fifo``, ``token``, ``streamingllm``, ``h2o``,
-    ``eager``) or an instance (returned as is)."""
+    ``eager``) or an instance (returned as is; ``high`` / ``low`` with an instance are an error, not ignored)."""
     if policy is None:
         policy = "omnitide"
     if isinstance(policy, str):
         kw = {}
         if high is not None:
-            kw["high"] = int(high)
+            kw["high"] = _watermark("high", high)
         if low is not None:
-            kw["low"] = int(low)
+            kw["low"] = _watermark("low", low)
         return make_policy(policy, **kw)
+    if not isinstance(policy, RetentionPolicy):
+        raise ValueError(f"policy must be a policy name or a RetentionPolicy, got {type(policy).__name__}")
+    if high is not None or low is not None:
+        raise ValueError(f"high= / low= go with a policy name; {policy!r} is an instance: set its watermarks there "
+                         f"({type(policy).__name__}(high=..., low=...))")
     return policy
 
 
-def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = 0.72) -> tuple[int, int]:
-    """High / low watermarks (tokens) that keep the KV under ``budget_bytes``: users think in memory.
+def _watermark(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} watermark must be a positive int (tokens), got {value!r}")
+    return int(value)
 
-    The low watermark keeps the paper's default 1800 / 2500 ratio, so trims leave room for the next units.
+
+def budget_slots(budget_bytes: int, bytes_per_token: int, page_size: int = 64) -> int:
+    """The KV slots a budget pays for, in whole pages: the cache's buffers never hold more."""
+    return budget_bytes // bytes_per_token // page_size * page_size
+
+
+def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = 0.72, *,
+                          page_size: int = 64, low: int | None = None) -> tuple[int, int]:
+    """High / low watermarks (tokens) under a KV budget: users think in memory.
+
+    The budget pays for ``budget_slots`` slots (whole pages); the cache never grows past them. ``high`` sits
+    ``RESERVE_PAGES`` pages under that ceiling (the room class-aware placement may leave in pages of another class)
+    and ``low`` keeps the paper's 1800 / 2500 ratio unless given. A unit that would not fit the free room is
+    preceded by an early trim (the session's ``_make_room``), so the ceiling holds whatever the unit sizes.
     """
-    if budget_bytes <= 0:
-        raise ValueError(f"KV budget must be positive (got {budget_bytes} bytes)")
-    high = budget_bytes // bytes_per_token
+    budget_bytes = kv_budget_bytes(budget_bytes, check_memory=False)
+    slots = budget_slots(budget_bytes, bytes_per_token, page_size)
+    high = slots - RESERVE_PAGES * page_size
     if high < 64:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds only {high} tokens "
-                         f"({bytes_per_token} bytes per token); raise it")
-    return int(high), max(1, int(high * low_ratio))
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds only {slots} tokens ({bytes_per_token} bytes per "
+                         f"token, whole pages of {page_size}); raise it to at least "
+                         f"{(64 + RESERVE_PAGES * page_size) * bytes_per_token} bytes")
+    if low is None:
+        low = max(1, int(high * low_ratio))
+    elif _watermark("low", low) > high:
+        raise ValueError(f"low watermark {low} is above the KV budget's high watermark {high}")
+    return int(high), int(low)
 
 
 def parse_bytes(text: str) -> int:
     """``512MiB``, ``2GB``, ``1.5GiB``, ``100000`` -> bytes."""
     units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-             "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
-    s = text.strip().lower().replace(" ", "")
+             "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+    s = str(text).strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num):]
-    if not num or unit not in units:
-        raise ValueError(f"cannot read {text!r} as a size (examples: 512MiB, 2GB)")
-    return int(float(num) * units[unit])
+    try:
+        value = float(num) * units[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"cannot read {text!r} as a size (examples: 512MiB, 2GB)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"a size must be positive and finite, got {text!r}")
+    return int(value)
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def kv_budget_bytes(value, check_memory: bool = True) -> int:
+    """A KV budget (bytes, or a size string like ``"512MiB"``) as a positive int, checked before anything loads:
+    not a bool, NaN, negative, or (``check_memory``) more than the machine's memory."""
+    if isinstance(value, str):
+        budget = parse_bytes(value)
+    elif isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"kv_budget must be bytes or a size like '512MiB', got {value!r}")
+    else:
+        if not math.isfinite(float(value)) or value <= 0:
+            raise ValueError(f"kv_budget must be a positive, finite number of bytes, got {value!r}")
+        budget = int(value)
+    total = machine_memory_bytes() if check_memory else None
+    if total and budget > total:
+        raise ValueError(f"a KV budget of {value!r} ({budget / 2**30:.3g} GiB) is more than this machine's memory "
+                         f"({total / 2**30:.1f} GiB)")
+    return budget
 
 
 class StreamingSession:
@@ -148,9 +238,24 @@ class StreamingSession:
                  policy: RetentionPolicy | str | None = "omnitide", high: int | None = None, low: int | None = None,
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
                  on_update: Callable[[UpdateRecord], None] | None = None):
+        # everything that can be checked without the model is checked before it loads
+        budget = kv_budget_bytes(kv_budget) if kv_budget is not None else None
+        if budget is not None:
+            if high is not None:
+                raise ValueError("kv_budget sets the high watermark: give kv_budget (and optionally low) or high / low")
+            name = policy if isinstance(policy, str) or policy is None else policy_from(policy).name
+            if policy_from(name).name == "full":
+                raise ValueError("policy 'full' never evicts, so it cannot stay under a kv_budget; give it high / low "
+                                 "or choose an evicting policy")
+            if low is not None and not isinstance(policy, (str, type(None))):
+                raise ValueError("low= goes with a policy name; with a policy instance, kv_budget sets both watermarks")
+            if low is not None:
+                _watermark("low", low)
+        else:
+            self.policy = policy_from(policy, high, low)
         self.model_path = None
         if isinstance(model, (str, os.PathLike)):
-            self.model_path = str(model)
+            self.model_path = _model_ref(model)
             model, processor = self._load_model(model)
         elif isinstance(model, tuple):
             model, processor = model
@@ -158,26 +263,42 @@ class StreamingSession:
         self.adapter: StreamAdapter = model.stream_adapter(processor)
         spec = self.adapter.kv_spec
         self.kv_dtype = kv_dtype or self._default_kv_dtype(model)
-        if kv_budget is not None:
-            budget = parse_bytes(kv_budget) if isinstance(kv_budget, str) else int(kv_budget)
-            high, low = watermarks_for_budget(budget, spec.bytes_per_token(self.kv_dtype))
-        self.policy = policy_from(policy, high, low)
+        self.kv_budget = budget
+        if budget is not None:
+            bh, bl = watermarks_for_budget(budget, spec.bytes_per_token(self.kv_dtype), page_size=page_size, low=low)
+            if isinstance(policy, RetentionPolicy):  # applied, not ignored: a copy with the budget's watermarks
+                self.policy = copy.copy(policy)
+                self.policy.high, self.policy.low = bh, bl
+            else:
+                self.policy = policy_from(policy, bh, bl)
         self.system_prompt = system_prompt
         self.on_update = on_update
         table, self.planner = make_layout(self.policy.layout, page_size, subblock_size)
         self.cache = self._make_cache(spec, placement=table.placement, page_size=page_size,
                                       subblock_size=subblock_size, collect_scores=self.policy.needs_scores)
+        self._apply_budget()
         self.history = History()
         self.counters = SessionCounters()
         self.records: list[UpdateRecord] = []
         self._init_stream_state()
         with self._lock:
-            self._prefill(self.adapter.system_unit(system_prompt, 0), AllocClass.MUST_KEEP)
+            system = self.adapter.system_unit(system_prompt, 0)
+            self._check_size(system)
+            self._prefill(system, AllocClass.MUST_KEEP)
+
+    def _apply_budget(self) -> None:
+        self._max_slots = (budget_slots(self.kv_budget, self.cache.bytes_per_token, self.cache.table.page_size)
+                           if self.kv_budget is not None else None)
+        self.cache.max_capacity = self._max_slots
 
     def _init_stream_state(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # the engine: held for one bounded piece of work, never across a yield
+        self._holder: int | None = None  # the thread holding it (a call from that thread would wait for itself)
+        self._open: _Reply | None = None  # the reply being decoded; units wait for it to end
+        self._flush_requested = False
         self._inbox_lock = threading.Lock()
         self._inbox: deque[_Pending] = deque()
+        self.rejected: deque[str] = deque(maxlen=64)  # errors of queued chunks whose push() had returned
         self._audio_buf = np.zeros(0, dtype=np.float32)
         self._pending_frame: np.ndarray | None = None
         self._pending_t: float | None = None
@@ -235,17 +356,23 @@ class StreamingSession:
         )
         with self._inbox_lock:
             self._inbox.append(pending)
-        return self._drain(blocking=False)
+        records = self._settle()
+        with self._inbox_lock:
+            pending.waiting = False
+            error = pending.error
+        if error is not None:
+            raise error
+        return records
 
     def flush(self) -> list[UpdateRecord]:
-        """Turn buffered input (less than a second of audio, a frame waiting for its audio) into a unit."""
-        records = self._drain(blocking=True)
-        with self._lock:
-            if self._audio_buf.size or self._pending_frame is not None:
-                audio = self._audio_buf if self._audio_buf.size else None
-                self._audio_buf = np.zeros(0, dtype=np.float32)
-                records += self._media(self._take_frame(), audio)
-        return records
+        """Turn buffered input (less than a second of audio, a frame waiting for its audio) into a unit.
+
+        While a reply is open the flush queues and runs when the reply ends (it returns ``[]`` then)."""
+        with self._engine():
+            self._flush_requested = True
+            if self._open is not None and not self._open.abandoned:
+                return []
+            return self._settle_locked()
 
     # --- consumer side --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
@@ -254,7 +381,9 @@ class StreamingSession:
         """Ask a question about everything streamed so far; returns the reply as an iterator of text pieces.
 
         Sampling options follow mlx-lm (``temp`` 0 is greedy). The question and the reply become units of the
-        history. Queued pushes are processed first, so the answer sees them.
+        history. Queued pushes are processed first, so the answer sees them. One reply at a time: asking again
+        (from any thread) ends the open reply where it is, as a stop button would, and its iterator then ends.
+        Closing the iterator (or dropping it) ends the reply; pushes made meanwhile are processed then.
         """
         question = _check_text(question)
         if max_tokens < 1:
@@ -262,13 +391,24 @@ class StreamingSession:
         sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, tuple(stop or ()))
 
         def reply() -> Iterator[str]:
-            self._lock.acquire()
+            r = _Reply(question, sampling)
             try:
-                self._drain_locked()
-                yield from self._reply(question, sampling)
+                with self._engine(settle=False):
+                    if self._open is not None:
+                        self._finish_reply(self._open)
+                    self._settle_locked()
+                    self._begin_reply(r)
+                while True:
+                    with self._engine(settle=False):
+                        if r.done:
+                            return
+                        piece = self._reply_step(r)
+                    if piece:
+                        yield piece
             finally:
-                self._lock.release()
-                self._drain(blocking=False)
+                if not r.done:
+                    r.abandoned = True
+                self._settle()
 
         return reply()
 
@@ -278,7 +418,7 @@ class StreamingSession:
 
     # --- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        with self._lock:
+        with self._engine(settle=False, read=True):
             layout = self.cache.layout_stats()
             c = self.counters
             return {
@@ -296,6 +436,9 @@ class StreamingSession:
                 "active_subblocks": layout.active_subblocks,
                 "capacity": layout.capacity,
                 "kv_bytes": self.cache.nbytes,
+                "kv_bytes_retained": layout.retained_cells * self.cache.bytes_per_token,
+                "kv_budget": self.kv_budget,
+                "capacity_bound": self.capacity_bound(),
                 "kv_bytes_per_token": self.adapter.kv_spec.bytes_per_token(self.kv_dtype),
                 "next_position": self.history.next_position(),
                 "evictions": c.evictions,
@@ -314,108 +457,232 @@ class StreamingSession:
     # --- persistence --------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write the whole state (KV, page table, units, positions, adapter protocol state, buffered input) to a
-        folder: safetensors for arrays, JSON for the rest."""
+        folder: safetensors for arrays, JSON for the rest. Atomic: everything is written to a temporary folder
+        next to ``path`` that then takes its place, so a crash or a full disk never leaves a half-written session
+        (an older save at ``path`` stays whole until the new one is complete)."""
         path = Path(path)
-        with self._lock:
-            self._drain_locked()
-            path.mkdir(parents=True, exist_ok=True)
-            self.cache.save(path / "kv.safetensors")
-            meta_adapter, arrays = self.adapter.state()
-            arrays = dict(arrays)
-            if self._audio_buf.size:
-                arrays["session.audio_buf"] = self._audio_buf
-            if self._pending_frame is not None:
-                arrays["session.pending_frame"] = self._pending_frame
-            if self._last_logits is not None:
-                arrays["session.last_logits"] = self._last_logits
-            if arrays:
-                self._save_arrays(path / "session.safetensors", arrays)
-            meta = {
-                "format": SESSION_FORMAT,
-                "backend": self.backend,
-                "model_path": self.model_path,
-                "system_prompt": self.system_prompt,
-                "policy": self.policy.config(),
-                "kv_dtype": str(self.kv_dtype).split(".")[-1],
-                "history": self.history.to_json(),
-                "adapter": meta_adapter,
-                "counters": asdict(self.counters),
-                "records": [asdict(r) for r in self.records],
-                "stream": {"seconds": self._seconds, "audio_driven": self._audio_driven,
-                           "pending_t": self._pending_t},
-            }
-            with open(path / "session.json", "w", encoding="utf-8") as f:
-                json.dump(meta, f)
+        if path.exists() and (not path.is_dir() or set(p.name for p in path.iterdir()) - set(SESSION_FILES)):
+            raise SessionError(f"{path} exists and is not a saved session: choose a new folder (save replaces "
+                               "the folder as a whole)")
+        with self._engine(settle=False):
+            if self._open is not None and not self._open.abandoned:
+                raise SessionBusyError(f"cannot save to {path} while a reply is open: read it to the end or close() "
+                                       "its iterator first")
+            self._settle_locked()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f".{path.name}.saving-{os.getpid()}-{threading.get_ident()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            try:
+                self._write(tmp)
+                _replace_dir(tmp, path)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
         return path
+
+    def _write(self, path: Path) -> None:
+        self.cache.save(path / "kv.safetensors")
+        meta_adapter, arrays = self.adapter.state()
+        arrays = dict(arrays)
+        if self._audio_buf.size:
+            arrays["session.audio_buf"] = self._audio_buf
+        if self._pending_frame is not None:
+            arrays["session.pending_frame"] = self._pending_frame
+        if self._last_logits is not None:
+            arrays["session.last_logits"] = self._last_logits
+        if arrays:
+            self._save_arrays(path / "session.safetensors", arrays)
+        spec = self.adapter.kv_spec
+        meta = {
+            "format": SESSION_FORMAT,
+            "backend": self.backend,
+            "model_path": _model_ref(self.model_path) if self.model_path else None,
+            "model": {"family": model_family(self.model), "num_layers": spec.num_layers, "kv_heads": spec.kv_heads,
+                      "head_dim": spec.head_dim, "position_axes": spec.position_axes},
+            "system_prompt": self.system_prompt,
+            "policy": self.policy.config(),
+            "kv_budget": self.kv_budget,
+            "kv_dtype": str(self.kv_dtype).split(".")[-1],
+            "history": self.history.to_json(),
+            "adapter": meta_adapter,
+            "arrays": sorted(arrays),
+            "counters": asdict(self.counters),
+            "records": [asdict(r) for r in self.records],
+            "stream": {"seconds": self._seconds, "audio_driven": self._audio_driven,
+                       "pending_t": self._pending_t},
+        }
+        with open(path / "session.json", "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    @classmethod
+    def read_meta(cls, path: str | os.PathLike) -> dict:
+        """The JSON side of a saved session, checked (format version, required keys); RestoreError otherwise."""
+        path = Path(path)
+        file = path / "session.json"
+        if not file.is_file():
+            raise RestoreError(f"{path} holds no saved session ({file.name} missing)")
+        try:
+            with open(file, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RestoreError(f"{file} is not valid JSON (truncated or corrupted?): {e}") from None
+        if not isinstance(meta, dict):
+            raise RestoreError(f"{file} does not hold a saved session")
+        if meta.get("format") not in READABLE_FORMATS:
+            raise RestoreError(f"{file}: session format {meta.get('format')!r}; this version reads "
+                               f"{', '.join(map(str, READABLE_FORMATS))} (saved by another omnitide-mlx version?)")
+        missing = [k for k in ("kv_dtype", "policy", "history", "counters") if k not in meta]
+        if missing:
+            raise RestoreError(f"{file} is incomplete: missing {', '.join(missing)}")
+        return meta
 
     @classmethod
     def restore(cls, path: str | os.PathLike, model=None, processor=None,
                 on_update: Callable[[UpdateRecord], None] | None = None):
-        """Load a session written by ``save``. ``model`` defaults to the path the session was created from."""
+        """Load a session written by ``save``. ``model`` defaults to the model the session was created from (its
+        absolute path, or Hub id). Every problem with the saved files raises RestoreError naming the file; a
+        model of another family or shape than the saved one raises it too, before any state is built."""
         path = Path(path)
-        try:
-            with open(path / "session.json", encoding="utf-8") as f:
-                meta = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path} holds no saved session (session.json missing)") from None
-        if meta.get("format") != SESSION_FORMAT:
-            raise ValueError(f"{path}: unsupported session format {meta.get('format')}")
+        meta = cls.read_meta(path)
+        file = path / "session.json"
         self = cls.__new__(cls)
         if model is None:
             if not meta.get("model_path"):
-                raise ValueError("the saved session does not record its model; pass model=")
+                raise RestoreError(f"{file} does not record its model; pass model=")
             model = meta["model_path"]
-        self.model_path = str(model) if isinstance(model, (str, os.PathLike)) else meta.get("model_path")
+        self.model_path = _model_ref(model) if isinstance(model, (str, os.PathLike)) else meta.get("model_path")
         if isinstance(model, (str, os.PathLike)):
             model, processor = self._load_model(model)
         elif isinstance(model, tuple):
             model, processor = model
         self.model, self.processor = model, processor
         self.adapter = model.stream_adapter(processor)
-        self.kv_dtype = self._dtype_from_name(meta["kv_dtype"])
-        cfg = dict(meta["policy"])
-        self.policy = make_policy(cfg.pop("name"), **cfg)
+        _check_model(file, meta.get("model"), model, self.adapter.kv_spec)
+        try:
+            self.kv_dtype = self._dtype_from_name(meta["kv_dtype"])
+            cfg = dict(meta["policy"])
+            self.policy = make_policy(cfg.pop("name"), **cfg)
+            self.history = History.from_json(meta["history"])
+            self.counters = SessionCounters(**meta["counters"])
+            self.records = [UpdateRecord(**r) for r in meta.get("records", [])]
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"{file} is malformed: {type(e).__name__}: {e}") from e
         self.system_prompt = meta.get("system_prompt")
         self.on_update = on_update
-        self.cache = self._load_cache(path / "kv.safetensors")
+        kv_file = path / "kv.safetensors"
+        if not kv_file.is_file():
+            raise RestoreError(f"{kv_file} is missing: the saved session has no KV cache")
+        try:
+            self.cache = self._load_cache(kv_file)
+        except Exception as e:  # safetensors, MLX and CacheError all say it differently
+            raise RestoreError(f"{kv_file} cannot be read (truncated or corrupted?): {e}") from e
+        spec = self.adapter.kv_spec
+        if (self.cache.num_layers, self.cache.kv_heads, self.cache.head_dim) != (spec.num_layers, spec.kv_heads,
+                                                                               spec.head_dim):
+            raise RestoreError(f"{kv_file} holds a KV cache of {self.cache.num_layers} layers x {self.cache.kv_heads} "
+                               f"heads x {self.cache.head_dim}; the model needs {spec.num_layers} x {spec.kv_heads} x "
+                               f"{spec.head_dim}: restore it with the model it was saved with")
+        try:
+            self.cache.page_table.check_history(self.history)
+        except ValueError as e:
+            raise RestoreError(f"{kv_file} and {file} disagree (files from different saves?): {e}") from e
+        self.kv_budget = meta.get("kv_budget")
+        self._apply_budget()
         _, self.planner = make_layout(self.policy.layout, self.cache.page_table.page_size,
                                       self.cache.page_table.subblock_size)
-        self.history = History.from_json(meta["history"])
-        self.cache.page_table.check_history(self.history)
-        self.counters = SessionCounters(**meta["counters"])
-        self.records = [UpdateRecord(**r) for r in meta.get("records", [])]
         self._init_stream_state()
-        arrays = self._load_arrays(path / "session.safetensors") if (path / "session.safetensors").exists() else {}
-        if "session.audio_buf" in arrays:
-            self._audio_buf = np.asarray(arrays.pop("session.audio_buf"), dtype=np.float32)
-        if "session.pending_frame" in arrays:
-            self._pending_frame = np.asarray(arrays.pop("session.pending_frame"), dtype=np.uint8)
-        self._last_logits = arrays.pop("session.last_logits", None)
-        stream = meta.get("stream", {})
-        self._seconds = float(stream.get("seconds", 0.0))
-        self._audio_driven = bool(stream.get("audio_driven", False))
-        self._pending_t = stream.get("pending_t")
-        self.adapter.load_state(meta.get("adapter", {}), arrays)
+        arrays_file = path / "session.safetensors"
+        want = set(meta.get("arrays", []))
+        try:
+            arrays = self._load_arrays(arrays_file) if arrays_file.exists() else {}
+        except Exception as e:
+            raise RestoreError(f"{arrays_file} cannot be read (truncated or corrupted?): {e}") from e
+        if want - set(arrays):
+            what = "is missing" if not arrays_file.exists() else f"lacks {', '.join(sorted(want - set(arrays)))}"
+            raise RestoreError(f"{arrays_file} {what}: the saved session is incomplete")
+        try:
+            if "session.audio_buf" in arrays:
+                self._audio_buf = np.asarray(arrays.pop("session.audio_buf"), dtype=np.float32)
+            if "session.pending_frame" in arrays:
+                self._pending_frame = np.asarray(arrays.pop("session.pending_frame"), dtype=np.uint8)
+            self._last_logits = arrays.pop("session.last_logits", None)
+            stream = meta.get("stream", {})
+            self._seconds = float(stream.get("seconds", 0.0))
+            self._audio_driven = bool(stream.get("audio_driven", False))
+            self._pending_t = stream.get("pending_t")
+            self.adapter.load_state(meta.get("adapter", {}), arrays)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"{arrays_file} or the adapter state in {file} is malformed: "
+                               f"{type(e).__name__}: {e}") from e
         return self
 
     def _dtype_from_name(self, name: str):
         raise NotImplementedError
 
     # --- engine (lock held) -----------------------------------------------------------------------------------
-    def _drain(self, blocking: bool) -> list[UpdateRecord]:
-        records: list[UpdateRecord] = []
-        while True:
-            if not self._lock.acquire(blocking=blocking):
-                return records
+    @contextmanager
+    def _engine(self, settle: bool = True, read: bool = False):
+        """Hold the engine for one bounded piece of work. A call from the thread that already holds it (from inside
+        ``on_update``) would wait for itself: it raises instead, except a read (``stats``), which goes on. After
+        the work, ``settle`` processes what others queued meanwhile."""
+        me = threading.get_ident()
+        if self._holder == me:
+            if read:
+                yield
+                return
+            raise SessionError("the session was called from inside its own update (an on_update callback?): "
+                               "push() from there queues; flush(), ask() and save() must wait until it returns")
+        with self._lock:
+            self._holder = me
             try:
-                records += self._drain_locked()
+                yield
             finally:
+                self._holder = None
+        if settle:
+            self._settle()
+
+    def _settle(self) -> list[UpdateRecord]:
+        """Do what is waiting (an abandoned reply to end, queued chunks, a queued flush) if the engine is free;
+        otherwise leave it to whoever holds the engine, who settles after letting go. Never blocks."""
+        records: list[UpdateRecord] = []
+        while self._has_work():
+            if not self._lock.acquire(blocking=False):
+                return records
+            self._holder = threading.get_ident()
+            try:
+                records += self._settle_locked()
+            finally:
+                self._holder = None
                 self._lock.release()
-            with self._inbox_lock:
-                if not self._inbox:
-                    return records
+        return records
+
+    def _has_work(self) -> bool:
+        if self._open is not None:
+            return self._open.abandoned
+        return bool(self._inbox) or self._flush_requested
+
+    def _settle_locked(self) -> list[UpdateRecord]:
+        records: list[UpdateRecord] = []
+        if self._open is not None and self._open.abandoned:
+            self._finish_reply(self._open)
+        if self._open is not None:
+            return records  # units wait for the reply to end
+        records += self._drain_locked()
+        if self._flush_requested:
+            self._flush_requested = False
+            if self._audio_buf.size or self._pending_frame is not None:
+                audio = self._audio_buf if self._audio_buf.size else None
+                self._audio_buf = np.zeros(0, dtype=np.float32)
+                records += self._media(self._take_frame(), audio)
+        return records
 
     def _drain_locked(self) -> list[UpdateRecord]:
+        """Process the queued chunks in order. A chunk the model rejects is counted and skipped; its error goes to
+        the push() that queued it when that call is still waiting, else to ``rejected`` and a warning."""
         records: list[UpdateRecord] = []
         while True:
             with self._inbox_lock:
@@ -424,9 +691,14 @@ class StreamingSession:
                 item = self._inbox.popleft()
             try:
                 records += self._process(item)
-            except MediaError:
+            except MediaError as e:
                 self.counters.rejected_chunks += 1
-                raise
+                with self._inbox_lock:
+                    item.error = e
+                    waiting = item.waiting
+                if not waiting:
+                    self.rejected.append(str(e))
+                    warnings.warn(f"a queued chunk was rejected: {e}", RuntimeWarning, stacklevel=2)
 
     def _process(self, item: _Pending) -> list[UpdateRecord]:
         records: list[UpdateRecord] = []
@@ -458,8 +730,12 @@ class StreamingSession:
         self._seconds = t + 1.0
         return [self._unit(prepared)]
 
-    def _unit(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT) -> UpdateRecord:
+    def _unit(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT,
+              reserve: int = 0, question: bool = False) -> UpdateRecord:
+        """Prefill one unit and run retention. ``reserve``: slots that must stay free after it (a reply's)."""
+        self._check_size(prepared, reserve, question)
         t0 = time.perf_counter()
+        self._make_room(prepared.length + reserve)
         uid = self._prefill(prepared, alloc_class)
         t1 = time.perf_counter()
         evicted, migrated = self._maintain()
@@ -470,11 +746,78 @@ class StreamingSession:
             retained_cells=layout.retained_cells, physical_span=layout.physical_span,
             active_pages=layout.active_pages, active_subblocks=layout.active_subblocks, kv_bytes=self.cache.nbytes,
             prefill_ms=(t1 - t0) * 1000, maintenance_ms=(t2 - t1) * 1000, update_ms=(t2 - t0) * 1000,
-            evicted_tokens=evicted, migrated_cells=migrated)
+            evicted_tokens=evicted, migrated_cells=migrated,
+            kv_retained_bytes=layout.retained_cells * self.cache.bytes_per_token)
         self.records.append(rec)
         if self.on_update is not None:
             self.on_update(rec)
         return rec
+
+    def _check_size(self, prepared: PreparedUnit, reserve: int = 0, question: bool = False) -> None:
+        """Reject (InputTooLargeError, nothing touched) a unit the session could not keep: under a KV budget, one
+        that does not fit next to the system prefix (with ``reserve``: a question and its reply); without one,
+        text longer than the high watermark leaves room for (it would be computed only to be evicted)."""
+        n = prepared.length
+        what = {UnitKind.USER: "the question" if question else "the text", UnitKind.MEDIA: "the media unit",
+                UnitKind.SYSTEM: "the system prompt"}.get(prepared.kind, f"the {prepared.kind.value} unit")
+        page = self.cache.table.page_size
+        if self._max_slots is not None:
+            room = self._max_slots - (-(-self.history.system_tokens // page) * page if len(self.history) else 0)
+            if n + reserve > room:
+                extra = f" plus {reserve} slots for its reply (max_tokens)" if reserve else ""
+                raise InputTooLargeError(
+                    f"{what} is {n} tokens{extra}; the KV budget of {self.kv_budget} bytes holds {self._max_slots} "
+                    f"tokens, {room} of them for one input next to the system prompt: shorten it"
+                    f"{', lower max_tokens' if reserve else ''} or raise kv_budget")
+        elif (prepared.kind is UnitKind.USER and self.policy.name != "full"
+              and n > self.policy.high - self.history.system_tokens):
+            raise InputTooLargeError(
+                f"{what} is {n} tokens; the high watermark {self.policy.high} leaves "
+                f"{self.policy.high - self.history.system_tokens} next to the system prompt, so it would be evicted "
+                "as soon as it was computed: shorten it or raise high")
+
+    def _room(self) -> int:
+        return self.cache.table.free_slots_for(AllocClass.RECENT_CONTEXT, self._max_slots)
+
+    def _make_room(self, n: int) -> None:
+        """Under a KV budget, make sure ``n`` new tokens fit below the ceiling before they are computed: trim early
+        (the policy's own choice toward a lower target, then whole units oldest first), then compact the layout.
+        Without a budget the cache grows as it needs (and gives the room back in ``_trim_capacity``)."""
+        if self._max_slots is None or self._room() >= n:
+            return
+        t0 = time.perf_counter()
+        target = max(0, self._max_slots - RESERVE_PAGES * self.cache.table.page_size - n)
+        keep = self._trim_mask(target)
+        plan = plan_from_mask(self.history, keep, self.policy.name)
+        if plan.deleted_tokens:
+            self._apply_retention(plan)
+        if self._room() < n:
+            mplan = MigrationPlanner("eager").plan(self.cache.page_table)
+            if mplan.accepted:
+                self.counters.migrations += 1
+                self.counters.migrated_cells += self.cache.migrate(mplan)
+        self.counters.maintenance_ms += (time.perf_counter() - t0) * 1000
+        if self._room() < n:  # _check_size admitted it, so this is a bug, not bad input
+            raise SessionError(f"could not make room for {n} tokens under the KV ceiling of {self._max_slots} slots "
+                               f"({self.cache.table!r})")
+
+    def _trim_mask(self, target: int) -> np.ndarray:
+        """Which tokens to keep so that at most ``target`` remain (the system prefix always stays)."""
+        h = self.history
+        if h.stream_units:
+            policy = copy.copy(self.policy)
+            policy.low = max(1, min(policy.low, target))
+            scores = self.cache.token_scores(h) if policy.needs_scores else None
+            keep = np.asarray(policy.keep_mask(h, scores), dtype=bool).copy()
+        else:
+            keep = np.ones(h.total_tokens, dtype=bool)
+        offsets = h.offsets()
+        for i, u in enumerate(h):
+            if keep.sum() <= target:
+                break
+            if u.kind is not UnitKind.SYSTEM:
+                keep[offsets[i]:offsets[i] + u.length] = False
+        return keep
 
     def _prefill(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT) -> int:
         uid = self.history.next_uid()
@@ -489,6 +832,21 @@ class StreamingSession:
         self._last_logits = logits
         return uid
 
+    def _apply_retention(self, plan: RetentionPlan) -> tuple[int, int]:
+        """Evict what ``plan`` deletes (cache and history), then let the layout migrate; returns (evicted, moved)."""
+        self.cache.evict(plan, self.history)
+        self.history = apply_plan(self.history, plan)
+        evicted = plan.tokens_before - plan.tokens_after
+        self.counters.evictions += 1
+        self.counters.evicted_tokens += evicted
+        migrated = 0
+        mplan = self.planner.plan(self.cache.page_table)
+        if mplan.accepted:
+            migrated = self.cache.migrate(mplan)
+            self.counters.migrations += 1
+            self.counters.migrated_cells += migrated
+        return evicted, migrated
+
     def _maintain(self) -> tuple[int, int]:
         """Retention after a prefill: the policy's plan, the cache's eviction, and the layout's migration."""
         t0 = time.perf_counter()
@@ -496,73 +854,151 @@ class StreamingSession:
         scores = self.cache.token_scores(self.history) if self.policy.needs_scores else None
         plan = self.policy.plan(self.history, scores=scores)
         if plan is not None and plan.tokens_after < plan.tokens_before:
-            self.cache.evict(plan, self.history)
-            self.history = apply_plan(self.history, plan)
-            evicted = plan.tokens_before - plan.tokens_after
-            self.counters.evictions += 1
-            self.counters.evicted_tokens += evicted
-            mplan = self.planner.plan(self.cache.page_table)
-            if mplan.accepted:
-                migrated = self.cache.migrate(mplan)
-                self.counters.migrations += 1
-                self.counters.migrated_cells += migrated
+            evicted, migrated = self._apply_retention(plan)
         span = self.cache.layout_stats().physical_span
         self.counters.peak_physical_span = max(self.counters.peak_physical_span, span)
+        self._trim_capacity()
         self.counters.maintenance_ms += (time.perf_counter() - t0) * 1000
         return evicted, migrated
 
-    def _reply(self, question: str, sampling: Sampling) -> Iterator[str]:
-        self._unit(self.adapter.user_unit(question, self.history.next_position()))
-        axes = self.adapter.kv_spec.position_axes
-        logits = self._last_logits
-        sample = self._sampler(sampling)
-        uid = self.history.next_uid()
-        start = self.history.next_position()
-        self.cache.set_owner(uid, AllocClass.RECENT_CONTEXT)
-        generated: list[int] = []
-        emitted = ""
-        stopped = False
+    def capacity_bound(self) -> int | None:
+        """The slots the cache's buffers return to after a large input has gone: the budget's ceiling, or the high
+        watermark plus the cache's growth step (None for a policy that never evicts)."""
+        if self._max_slots is not None:
+            return self._max_slots
+        if self.policy.name == "full":
+            return None
+        page = self.cache.table.page_size
+        return (-(-self.policy.high // page) + self.cache.grow_pages) * page
+
+    def _trim_capacity(self) -> None:
+        bound = self.capacity_bound()
+        if bound is None or self.cache.capacity <= bound:
+            return
+        target = max(bound, self.cache.layout_stats().physical_span)
+        if self.cache.capacity > target:
+            self.cache.shrink(target)
+
+    def _begin_reply(self, r: _Reply) -> None:
+        """Prefill the question as a unit and open the reply (its tokens will belong to the next uid)."""
+        self._unit(self.adapter.user_unit(r.question, self.history.next_position()),
+                   reserve=r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None else 0,
+                   question=True)
+        r.logits = self._last_logits
+        r.sample = self._sampler(r.sampling)
+        r.uid = self.history.next_uid()
+        r.start = self.history.next_position()
+        self.cache.set_owner(r.uid, AllocClass.RECENT_CONTEXT)
+        self._open = r
+
+    def _reply_step(self, r: _Reply) -> str:
+        """Decode one token of the open reply; returns the new text (possibly empty). Ends the reply at a stop token,
+        a stop string or ``max_tokens``; the text still held back (an incomplete character) comes with the end."""
+        if len(r.generated) >= r.sampling.max_tokens:
+            return self._finish_reply(r)
         t0 = time.perf_counter()
         try:
-            while len(generated) < sampling.max_tokens:
-                token = sample(logits, generated)
-                if token in self.adapter.stop_token_ids:
-                    stopped = True
-                    break
-                generated.append(token)
-                logits = self._forward(self.adapter.embed_tokens([token]),
-                                       text_positions(start + len(generated) - 1, 1, axes))
-                text = self.adapter.decode(generated)
-                cut = _stop_index(text, sampling.stop)
-                if cut is not None:
-                    text, stopped = text[:cut], True
-                if not text.endswith("\ufffd") and len(text) > len(emitted):
-                    piece, emitted = text[len(emitted):], text
-                    yield piece
-                if cut is not None:
-                    break
+            token = r.sample(r.logits, r.generated)
+            if token in self.adapter.stop_token_ids:
+                r.stopped = True
+                return self._finish_reply(r)
+            r.generated.append(token)
+            axes = self.adapter.kv_spec.position_axes
+            r.logits = self._forward(self.adapter.embed_tokens([token]),
+                                     text_positions(r.start + len(r.generated) - 1, 1, axes))
         finally:
-            fed = len(generated)
             self.counters.decode_ms += (time.perf_counter() - t0) * 1000
-            self.counters.decoded_tokens += fed
-            closing = list(self.adapter.finish_reply(generated, stopped))
-            if closing:
-                logits = self._forward(self.adapter.embed_tokens(closing), text_positions(start + fed, len(closing), axes))
-            self._eval(logits)
-            self._last_logits = logits
-            if fed + len(closing):
-                spans = spans_from_runs([(SpanKind.RESPONSE, fed), (SpanKind.BOUNDARY, len(closing))])
-                self.history.append(Unit(uid=uid, kind=UnitKind.REPLY, spans=tuple(spans),
-                                         positions=text_positions(start, fed + len(closing), axes),
-                                         label=question[:40]))
-                self.counters.units += 1
-                self._maintain()
-        text = self.adapter.decode(generated)
-        cut = _stop_index(text, sampling.stop)
+        text = self.adapter.decode(r.generated)
+        cut = _stop_index(text, r.sampling.stop)
+        if cut is not None:
+            r.stopped = True
+            return self._finish_reply(r)
+        return self._emit(r, text)
+
+    def _emit(self, r: _Reply, text: str) -> str:
+        if text.endswith("\ufffd") or len(text) <= len(r.emitted):
+            return ""
+        piece, r.emitted = text[len(r.emitted):], text
+        return piece
+
+    def _finish_reply(self, r: _Reply) -> str:
+        """Close the reply: the adapter's closing tokens, the reply unit into the history, retention. Returns the
+        text not yet emitted. Called at the reply's end, by a new question, or for an abandoned reply."""
+        if r.done:
+            return ""
+        r.done = True
+        if self._open is r:
+            self._open = None
+        t0 = time.perf_counter()
+        axes = self.adapter.kv_spec.position_axes
+        fed = len(r.generated)
+        self.counters.decoded_tokens += fed
+        closing = list(self.adapter.finish_reply(r.generated, r.stopped))
+        logits = r.logits
+        if closing:
+            logits = self._forward(self.adapter.embed_tokens(closing), text_positions(r.start + fed, len(closing), axes))
+        self._eval(logits)
+        self._last_logits = logits
+        self.counters.decode_ms += (time.perf_counter() - t0) * 1000
+        if fed + len(closing):
+            spans = spans_from_runs([(SpanKind.RESPONSE, fed), (SpanKind.BOUNDARY, len(closing))])
+            self.history.append(Unit(uid=r.uid, kind=UnitKind.REPLY, spans=tuple(spans),
+                                     positions=text_positions(r.start, fed + len(closing), axes),
+                                     label=r.question[:40]))
+            self.counters.units += 1
+            self._maintain()
+        text = self.adapter.decode(r.generated)
+        cut = _stop_index(text, r.sampling.stop)
         if cut is not None:
             text = text[:cut]
-        if len(text) > len(emitted) and not text.endswith("\ufffd"):
-            yield text[len(emitted):]
+        return self._emit(r, text)
+
+
+def model_family(model) -> str:
+    """A model's family for saved sessions: its port's package (``qwen2_5_omni``, ``minicpmo``, ...), the same for
+    the MLX and the torch port of one model, else its class name."""
+    parts = type(model).__module__.split(".")
+    for anchor in ("models", "torch"):
+        if anchor in parts[:-1]:
+            return parts[parts.index(anchor) + 1]
+    return type(model).__name__
+
+
+def _check_model(file: Path, saved: dict | None, model, spec) -> None:
+    if not saved:  # format 1 recorded neither; the KV cache's shape is still checked
+        return
+    family = model_family(model)
+    if saved.get("family") != family:
+        raise RestoreError(f"{file} was saved from a {saved.get('family')} model; this one is {family}: restore it "
+                           "with the model it was saved with")
+    got = {"num_layers": spec.num_layers, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+           "position_axes": spec.position_axes}
+    diff = {k: (saved.get(k), v) for k, v in got.items() if saved.get(k) != v}
+    if diff:
+        raise RestoreError(f"{file} was saved from another {family} size (saved vs this model: "
+                           + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items()) + ")")
+
+
+def _replace_dir(new: Path, path: Path) -> None:
+    """Put the folder ``new`` at ``path``: a rename; an older folder there is moved aside first and removed after."""
+    if not path.exists():
+        os.replace(new, path)
+        return
+    old = path.parent / f".{path.name}.old-{os.getpid()}-{threading.get_ident()}"
+    os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except OSError:
+        os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _model_ref(model) -> str:
+    """What a saved session records as its model: an existing local path made absolute (a relative one would be
+    looked up on the Hub when restored from another folder), anything else (a Hub id) as given."""
+    p = Path(os.fspath(model)).expanduser()
+    return str(p.resolve()) if p.exists() else os.fspath(model)
 
 
 def _check_text(text) -> str:

@@ -4,3 +4,23 @@
 class MediaError(ValueError):
     """Input media that cannot be used (missing or corrupt file, wrong shape, unusable sample rate). Raised before
     anything touches a session's cache, so a live session rejects the chunk and goes on."""
+
+
+class SessionError(RuntimeError):
+    """A session used in a way it cannot serve (a call from inside its own ``on_update`` callback, a restore into
+    the wrong model, ...). Raised before the session's state is touched."""
+
+
+class SessionBusyError(SessionError):
+    """An operation that needs the session idle (``save``) while a reply's iterator is still open: finish it, or
+    ``close()`` it, first."""
+
+
+class InputTooLargeError(MediaError):
+    """One input (a question, a piece of text, a media unit) larger than the session can keep: over the KV budget,
+    or (text) over the high watermark. Rejected before it is computed; the session goes on unchanged."""
+
+
+class RestoreError(SessionError, ValueError):
+    """A saved session that cannot be restored: a missing, truncated or malformed file (the message names it), an
+    unknown format version, or a model of another family or size than the one it was saved with."""

@@ -22,6 +22,7 @@ from .engine import (  # noqa: F401  (re-exported for users of the session API)
     SessionCounters,
     StreamingSession,
     UpdateRecord,
+    kv_budget_bytes,
     parse_bytes,
     policy_from,
     watermarks_for_budget,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv at the repository root with omnitide-mlx installed in editable mode.
 #   --dev   also the test dependencies (pytest, hypothesis, torch 2.13.0 CPU, transformers, ...) and, on
-#           Debian/Ubuntu as root, clang for the Metal-kernel checks.
+#           Debian/Ubuntu as root, clang for the Metal-kernel checks and chromium + chromium-driver for the
+#           `omnitide serve` page test (headless, with a fake camera and microphone).
 # On Debian/Ubuntu as root it installs OpenBLAS too: MLX's CPU wheel links a slow reference BLAS, and
 # scripts/blas_env.sh preloads OpenBLAS instead (55-67x faster float32 matmul).
 set -euo pipefail
@@ -19,6 +20,8 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   dpkg -s libopenblas0-pthread >/dev/null 2>&1 || need+=(libopenblas0-pthread)
   if [ "$DEV" = 1 ]; then
     command -v clang++-19 >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 || need+=(clang-19)
+    command -v chromium >/dev/null 2>&1 || need+=(chromium)
+    command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
   fi
   if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}"

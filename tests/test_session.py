@@ -132,7 +132,9 @@ def test_one_producer_and_one_consumer_thread(models, chunks):
 def test_kv_budget_sets_watermarks_from_bytes_per_token(models):
     s = OmniSession(models["qwen"], policy="omnitide", kv_budget="1MiB")
     per_token = s.adapter.kv_spec.bytes_per_token(s.kv_dtype)
-    assert s.policy.high == (1 << 20) // per_token and s.policy.low == int(s.policy.high * 0.72)
+    slots = (1 << 20) // per_token // 64 * 64  # whole pages; high sits two pages under the ceiling
+    assert s.policy.high == slots - 128 and s.policy.low == int(s.policy.high * 0.72)
+    assert s.cache.max_capacity == slots
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2_000_000_000
     with pytest.raises(ValueError):
         parse_bytes("lots")

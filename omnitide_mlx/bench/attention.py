@@ -15,14 +15,15 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..core.layout_checkpoints import Q_HEADS, Checkpoint, checkpoint_simulator, parse_histories, record_checkpoints
+from ..core.layout_checkpoints import Checkpoint, checkpoint_simulator, parse_histories, record_checkpoints
 from ..core.page import AllocClass, MigrationPlan, PageTable
 from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
-from ..core.profiles import get_profile
+from ..models.stream_units import resolve_profile
 from ..core.sim import LAYOUT_NAMES
 from ..kernels import plan_tiles, tile_skip_attention
 from ..kernels import attention as attn
+from ..kernels.cost import limit  # noqa: F401  (the key-count limit; one definition, shared with the cost model)
 from .attention_args import DESCRIPTION, HELP, add_arguments  # noqa: F401  (the benchmark module's command line)
 from .common import Timing, cache_flusher, load_average, time_interleaved, versions
 from .report import write_outputs
@@ -36,7 +37,7 @@ _NEW_UID = 1 << 40  # owner of the benchmark's own chunk (never a stream uid)
 def checkpoints(profile, histories: list[int], *, policy: str = "omnipick", seed: int = 0,
                 question_every: int = 30, **policy_kw) -> list[Checkpoint]:
     """Stream once through every checkpoint (ascending), all three layouts side by side."""
-    sim = checkpoint_simulator(profile, histories, policy=policy, seed=seed, question_every=question_every,
+    sim = checkpoint_simulator(resolve_profile(profile), histories, policy=policy, seed=seed, question_every=question_every,
                                **policy_kw)
     return record_checkpoints(sim, histories)
 
@@ -68,14 +69,6 @@ def _sdpa_blocks(q: mx.array, k: mx.array, v: mx.array, keys: int, scale: float)
         outs.append(mx.fast.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, :end], v[:, :, :end], scale=scale,
                                                           mask="causal"))
     return mx.concatenate(outs, axis=2)
-
-
-def limit(phase: str, full_keys: int, active_slots: int, t: int) -> float:
-    """Speedup that skipping allows: keys a query visits densely / keys in active tiles (module docstring)."""
-    if phase == "decode":
-        return full_keys / active_slots
-    causal = (t + 1) / 2
-    return (full_keys - t + causal) / (active_slots - t + causal)
 
 
 def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_dim: int, dtype, rng,
@@ -298,26 +291,26 @@ def plot(result: dict, path: str) -> None:
 
 def run_bench(shape: str, histories: list[int], *, policy: str = "omnipick", dtype=mx.float32,
               sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None, question_every: int = 30,
-              log=None, **policy_kw) -> dict:
-    prof = get_profile(shape)
-    if prof.name not in Q_HEADS:
-        raise ValueError(f"no query-head count for profile {prof.name}")
+              log=None, setting=None, **policy_kw) -> dict:
+    """``setting``: the media setting (a MediaSetting or a preset name; default: the default setting) that sizes
+    the stream's units."""
+    prof = resolve_profile(shape, setting)
     load_before = load_average()
     t0 = time.perf_counter()
     cps = checkpoints(prof, histories, policy=policy, seed=seed, question_every=question_every, **policy_kw)
     rows: list[dict] = []
     for cp in cps:
-        rows += bench_checkpoint(cp, q_heads=Q_HEADS[prof.name], kv_heads=prof.kv_heads, head_dim=prof.head_dim,
+        rows += bench_checkpoint(cp, q_heads=prof.q_heads, kv_heads=prof.kv_heads, head_dim=prof.head_dim,
                                  chunk=prof.media_unit_tokens, dtype=dtype, sdpa_max_history=sdpa_max_history,
                                  seed=seed, reps=reps, log=log)
     pol = make_policy(policy, profile=prof, **policy_kw)
     return {
         "shape": prof.name,
         "versions": versions(),
-        "attention_shape": {"q_heads": Q_HEADS[prof.name], "kv_heads": prof.kv_heads, "head_dim": prof.head_dim,
+        "attention_shape": {"q_heads": prof.q_heads, "kv_heads": prof.kv_heads, "head_dim": prof.head_dim,
                             "layers_timed": 1, "dtype": str(dtype).split(".")[-1]},
         "policy": pol.config(),
-        "chunk_tokens": prof.media_unit_tokens,
+        "chunk_tokens": prof.media_unit_tokens, "units": prof.units.to_json(),
         "load_average": {"before": load_before, "after": load_average()},
         "wall_s": round(time.perf_counter() - t0, 1),
         "rows": rows,

@@ -9,7 +9,8 @@ the last position only, so the real vocabulary would only add memory, and its co
 
 ``ShapeTrueModel`` is what ``OmniSession`` needs from a model (``language_model``, ``kv_spec()``,
 ``stream_adapter()``, ``dtype``); ``RandomUnitAdapter`` turns a second of camera + microphone into the profile's
-media unit (core/profiles.py: paper table 1's token counts, typed spans, TMRoPE or 1-D positions) with random
+media unit (the unit the model's layout code builds at the media setting: models/stream_units.py, with its typed
+spans and TMRoPE or 1-D positions) with random
 embeddings drawn once and reused, so no encoder runs (their cost does not depend on the retention policy) and
 "input processing" is the engine's own validation and unit assembly. Questions carry one text token per word.
 """
@@ -21,15 +22,17 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from ..core.profiles import ModelProfile, get_profile
+from ..core.profiles import PROFILES, ModelProfile
+from ..core.stream_units import MediaSetting, StreamUnits
 from ..core.units import SpanKind, UnitKind
 from ..models.base import KVSpec, PreparedUnit, StreamAdapter, spans_from_runs, text_positions
+from ..models.stream_units import resolve_profile
 from ..rope import RopeSpec
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The language model's real shape (from the released configs, shared/reference/)."""
+    """The language model's real shape (declared once, in core/profiles.py)."""
 
     name: str
     family: str  # "qwen2_5_omni" (Qwen2 decoder, q/k/v biases, M-RoPE) or "minicpmo" (Qwen3: q/k norms, 1-D RoPE)
@@ -42,6 +45,11 @@ class ModelShape:
     vocab: int
     rope_theta: float = 1e6
 
+    @classmethod
+    def of(cls, p: ModelProfile) -> "ModelShape":
+        return cls(p.name, p.family, p.layers, p.hidden, p.intermediate, p.q_heads, p.kv_heads, p.head_dim, p.vocab,
+                   p.rope_theta)
+
     def linear_macs_per_token(self) -> int:
         """Multiply-adds of one token through one layer's projections and MLP (norms, RoPE, biases left out)."""
         q = self.q_heads * self.head_dim
@@ -53,25 +61,25 @@ class ModelShape:
                                                "kv_heads", "head_dim", "vocab", "rope_theta")}
 
 
-SHAPES: dict[str, ModelShape] = {
-    "qwen2.5-omni-3b": ModelShape("qwen2.5-omni-3b", "qwen2_5_omni", 36, 2048, 11008, 16, 2, 128, 151936),
-    "qwen2.5-omni-7b": ModelShape("qwen2.5-omni-7b", "qwen2_5_omni", 28, 3584, 18944, 28, 4, 128, 152064),
-    "minicpm-o-4.5": ModelShape("minicpm-o-4.5", "minicpmo", 36, 4096, 12288, 32, 8, 128, 151748),
-    # for the CI smoke test only: a small Qwen3-style model with MiniCPM-style units (seconds, not minutes)
-    "tiny": ModelShape("tiny", "minicpmo", 2, 64, 128, 4, 2, 16, 256, 1e4),
-}
-
-# the tiny shape's units: a 32-token image source, 2 slices of 16, 4 audio tokens (70 tokens a second)
+# for the CI smoke test only: a small Qwen3-style model with MiniCPM-style units (seconds, not minutes); its units
+# are made up (a 32-token source image, 2 slices of 16, 4 audio tokens), so they are written here
 TINY_PROFILE = ModelProfile(
-    name="tiny", display="tiny (CI)", layers=2, kv_heads=2, head_dim=16, rope_axes=1, family="minicpmo",
-    image_tokens=64, audio_tokens_per_s=4, slice_grid=(1, 2), slice_tokens=16, source_tokens=32, system_tokens=8,
-    high=200, low=140, pick={"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2,
-                             "text_budget": 32},
+    name="tiny", display="tiny (CI)", family="minicpmo", rope_axes=1, layers=2, kv_heads=2, head_dim=16, q_heads=4,
+    hidden=64, intermediate=128, vocab=256, rope_theta=1e4, system_tokens=8, high=200, low=140,
+    pick={"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2, "text_budget": 32},
+    units=StreamUnits.sequential("minicpmo", MediaSetting(name="tiny"), [
+        (SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SOURCE, 32), (SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SLICE, 16),
+        (SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SLICE, 16), (SpanKind.BOUNDARY, 1), (SpanKind.AUDIO, 4),
+        (SpanKind.BOUNDARY, 2)]),
     notes="benchmark smoke tests only")
 
+SHAPES: dict[str, ModelShape] = {**{n: ModelShape.of(p) for n, p in PROFILES.items()},
+                                 "tiny": ModelShape.of(TINY_PROFILE)}
 
-def profile_for(shape: str) -> ModelProfile:
-    return TINY_PROFILE if shape == "tiny" else get_profile(shape)
+
+def profile_for(shape: str, setting: MediaSetting | str | None = None) -> ModelProfile:
+    """The shape's profile with the media unit its model builds at ``setting`` (default: the default setting)."""
+    return TINY_PROFILE if shape == "tiny" else resolve_profile(shape, setting)
 
 
 def update_flops(shape: ModelShape, layers: int, vocab: int, chunk: int, keys_visited: float) -> float:
@@ -103,14 +111,15 @@ def reply_closing_tokens(family: str) -> int:
 class ShapeTrueModel:
     """A port's LanguageModel at a real shape with random float32 weights; what OmniSession needs of a model."""
 
-    def __init__(self, shape: str, layers: int = 1, vocab: int = 4096, seed: int = 0, dtype=mx.float32):
+    def __init__(self, shape: str, layers: int = 1, vocab: int = 4096, seed: int = 0, dtype=mx.float32,
+                 setting: MediaSetting | str | None = None):
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
         if layers < 1 or vocab < 16:
             raise ValueError("layers must be >= 1 and vocab >= 16")
         self.real = SHAPES[shape]
         self.shape = replace(self.real, layers=layers, vocab=vocab)
-        self.profile = profile_for(shape)
+        self.profile = profile_for(shape, setting)
         self.dtype = dtype
         mx.random.seed(seed)
         s = self.shape

@@ -904,24 +904,26 @@ def default_session(profile, session_tokens: int) -> tuple[int, int]:
 def run_bench(shape: str, checkpoints: list[int], *, layers: int = 1, vocab: int = 4096, reps: int = 2,
               attention_reps: int = 1, session_seconds: int | None = None, question_every: int | None = None,
               session_tokens: int = 14000, policies: tuple[str, ...] = VARIANTS, sessions: bool = True,
-              seed: int = 0, log=None) -> dict:
+              seed: int = 0, log=None, setting=None) -> dict:
+    """``setting``: the media setting sizing the units (a MediaSetting or preset name; default: the default)."""
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collector pause inside a timed call: the runs collect between rounds and events
     try:
         return _run_bench(shape, checkpoints, layers=layers, vocab=vocab, reps=reps, attention_reps=attention_reps,
                           session_seconds=session_seconds, question_every=question_every,
-                          session_tokens=session_tokens, policies=policies, sessions=sessions, seed=seed, log=log)
+                          session_tokens=session_tokens, policies=policies, sessions=sessions, seed=seed, log=log,
+                          setting=setting)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, session_seconds, question_every,
-               session_tokens, policies, sessions, seed, log) -> dict:
+               session_tokens, policies, sessions, seed, log, setting=None) -> dict:
     t_start, c_start = _now()
     load_before = load_average()
     started = dict(versions(), uncommitted=_uncommitted())  # the code this run imports, taken at its start
-    model = ShapeTrueModel(shape, layers=layers, vocab=vocab, seed=seed)
+    model = ShapeTrueModel(shape, layers=layers, vocab=vocab, seed=seed, setting=setting)
     prof = model.profile
     stream = StreamSpec(max(checkpoints, default=0) // prof.media_unit_tokens + 8, question_every=30, seed=seed)
     rows: list[dict] = []

@@ -58,11 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omnitide_mlx.core.page import LayoutError
     from omnitide_mlx.core.pick import RetentionError, make_policy
-    from omnitide_mlx.core.profiles import ProfileError, StreamSpec, get_profile
+    from omnitide_mlx.core.profiles import ProfileError, StreamSpec
     from omnitide_mlx.core.sim import SimError, Simulator, plot_result
+    from omnitide_mlx.models.stream_units import resolve_profile
 
     try:
-        profile = get_profile(args.profile)
+        profile = resolve_profile(args.profile)
         kw = {k: v for k, v in (("high", args.high), ("low", args.low), ("recent_units", args.recent_units),
                                 ("image_sink", args.image_sink), ("audio_sink", args.audio_sink),
                                 ("slice_sink", args.slice_sink), ("text_budget", args.text_budget))

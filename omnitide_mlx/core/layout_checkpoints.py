@@ -16,10 +16,6 @@ from .pick import make_policy
 from .profiles import ModelProfile, StreamSpec, get_profile
 from .sim import LAYOUT_NAMES, Simulator
 
-# query heads per profile (core profiles carry only the KV shape)
-Q_HEADS = {"qwen2.5-omni-7b": 28, "qwen2.5-omni-3b": 16, "minicpm-o-4.5": 32, "minicpm-o-2.6": 28}
-
-
 @dataclass
 class RecordingPlanner(MigrationPlanner):
     """A migration planner that remembers the table and plan of its last accepted migration (to time it)."""
@@ -49,7 +45,8 @@ class Checkpoint:
 def checkpoint_simulator(profile: ModelProfile | str, histories: list[int], *, policy: str = "omnipick",
                          seed: int = 0, question_every: int = 30, layouts: Sequence[str] = LAYOUT_NAMES,
                          migration: str = "class_aware", **policy_kw) -> Simulator:
-    """A simulator whose stream is long enough to reach the largest checkpoint."""
+    """A simulator whose stream is long enough to reach the largest checkpoint. ``profile`` must carry its unit
+    layout (``models.stream_units.resolve_profile``)."""
     prof = get_profile(profile) if isinstance(profile, str) else profile
     pol = make_policy(policy, profile=prof, **policy_kw)
     stream = StreamSpec(max(histories) // prof.media_unit_tokens + 4, question_every=question_every, seed=seed)

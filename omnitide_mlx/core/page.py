@@ -159,6 +159,18 @@ class PageTable:
         self._cls = np.concatenate([self._cls, np.full(n, FREE, dtype=np.int8)])
         self._page_cls = np.concatenate([self._page_cls, np.zeros((pages, _NUM_CLASSES), dtype=np.int32)])
 
+    def shrink(self, capacity: int) -> None:
+        """Drop the empty pages at and after slot ``capacity`` (a page multiple): a cache that grew for one large
+        input gives the memory back once that input is gone."""
+        if capacity < 0 or capacity % self.page_size:
+            raise LayoutError(f"capacity {capacity} must be a non-negative multiple of page_size {self.page_size}")
+        if capacity >= self.capacity:
+            return
+        if (self._seq[capacity:] >= 0).any():
+            raise LayoutError(f"cannot shrink to {capacity} slots: entries live beyond it")
+        self._seq, self._unit, self._cls = self._seq[:capacity], self._unit[:capacity], self._cls[:capacity]
+        self._page_cls = self._page_cls[: capacity // self.page_size]
+
     # --- read-only views --------------------------------------------------------------------------------
     @property
     def seq(self) -> np.ndarray:
@@ -216,6 +228,14 @@ class PageTable:
         others = counts.sum(axis=1) - counts[:, int(cls)]
         page_ok = others == 0  # empty, or holds only entries of this class
         return np.flatnonzero(free & np.repeat(page_ok, self.page_size))
+
+    def free_slots_for(self, cls: AllocClass | int, limit: int | None = None) -> int:
+        """How many new entries of class ``cls`` fit below slot ``limit`` (default: the current capacity) without
+        moving anything: eligible free slots plus the pages the table would grow into (``limit`` a page
+        multiple)."""
+        limit = self.capacity if limit is None else int(limit)
+        eligible = self._eligible_free(AllocClass(cls))
+        return int((eligible < limit).sum()) + max(0, limit - self.capacity)
 
     def allocate(self, n: int, uid: int, cls: AllocClass | int = AllocClass.RECENT_CONTEXT) -> np.ndarray:
         """Give ``n`` new tokens of unit ``uid`` a slot each; returns the slots in token order.

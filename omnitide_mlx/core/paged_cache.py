@@ -30,7 +30,8 @@ class PagedKVCache:
     """The bookkeeping half of a paged KV cache; subclasses provide the hooks that touch tensors.
 
     Hooks: ``layers`` (each with ``index``, ``keys``, ``values``, ``nbytes``), ``dtype_bytes``,
-    ``_grow_buffers(capacity)`` (every layer's buffers and the scores, to ``capacity`` slots), ``_rerotate(slots,
+    ``_grow_buffers(capacity)`` / ``_shrink_buffers(capacity)`` (every layer's buffers and the scores, to
+    ``capacity`` slots), ``_rerotate(slots,
     shifts)``, ``_move_rows(src, dst)`` (K, V and scores of every layer), ``_zero_scores(slots)``,
     ``_scores_at(slots)`` (numpy float32), and for persistence ``_array(numpy)`` / ``_to_numpy(array)``,
     ``_scores_state()``, ``_from_meta(meta, **options)`` (an empty cache of the saved configuration),
@@ -38,6 +39,7 @@ class PagedKVCache:
     """
 
     DTYPES: ClassVar[dict[str, Any]] = {}  # dtype name -> the backend's dtype
+    QUANTISED_KV: ClassVar[bool] = False  # whether the backend holds quantised K/V (``kv_quant`` in a saved state)
     STATE_NAME: ClassVar[str] = "cache"  # what error messages call a saved state of this class
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, rope, dtype, *, page_size: int,
@@ -60,6 +62,7 @@ class PagedKVCache:
         self.evictions = 0  # evict() calls so far (also numbers the rounding streams: reproducible)
         self.table = PageTable(page_size, subblock_size, placement=placement)
         self._capacity = 0  # slots backed by the buffers (>= table.capacity)
+        self.max_capacity: int | None = None  # a hard ceiling on slots (a KV budget), a page multiple; None: none
         self._owner: tuple[int, AllocClass] | None = None
         self._step = None
         self.moved_rows = 0  # entries copied by migrations so far
@@ -106,6 +109,9 @@ class PagedKVCache:
         if not isinstance(tokens, (int, np.integer)) or tokens <= 0:
             raise CacheError(f"a step writes a positive number of tokens, got {tokens!r}")
         uid, cls = self._owner
+        if self.max_capacity is not None and self.table.free_slots_for(cls, self.max_capacity) < tokens:
+            raise CacheError(f"{tokens} new tokens do not fit under the cache's ceiling of {self.max_capacity} "
+                             f"slots ({self.table.retained} retained): trim before writing")
         slots = self.table.allocate(int(tokens), uid, cls)
         self._ensure_capacity(self.table.capacity)
         return slots
@@ -126,8 +132,25 @@ class PagedKVCache:
         page = self.table.page_size
         new = max(needed, self._capacity + self.grow_pages * page)
         new = -(-new // page) * page
+        if self.max_capacity is not None:
+            new = min(new, max(self.max_capacity, -(-needed // page) * page))
         self._grow_buffers(new)
         self._capacity = new
+
+    def shrink(self, capacity: int) -> None:
+        """Give back the buffers' slots at and after ``capacity`` (rounded up to a page); they must be free."""
+        if self._step is not None:
+            raise CacheError("shrink() inside an open step")
+        page = self.table.page_size
+        capacity = -(-int(capacity) // page) * page
+        if capacity >= self._capacity:
+            return
+        try:
+            self.table.shrink(capacity)
+        except LayoutError as e:
+            raise CacheError(str(e)) from e
+        self._shrink_buffers(capacity)
+        self._capacity = capacity
 
     # --- eviction -----------------------------------------------------------------------------------------------
     def logical_slots(self) -> np.ndarray:
@@ -228,16 +251,21 @@ class PagedKVCache:
         """Every array needed to restore the cache exactly."""
         if self._step is not None:
             raise CacheError("state of a cache with an open step")
-        arrays = {}
-        for layer in self.layers:
-            if layer.keys is not None:
-                arrays[f"layers.{layer.index}.keys"] = layer.keys
-                arrays[f"layers.{layer.index}.values"] = layer.values
+        arrays = self._buffer_arrays()
         t = self.table.state()
         for name in TABLE_ARRAYS:
             arrays[f"table.{name}"] = self._array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
         if self.collect_scores:
             arrays["scores"] = self._scores_state()
+        return arrays
+
+    def _buffer_arrays(self) -> dict:
+        """Every layer's K/V buffers by saved name (a backend with more arrays per layer overrides this)."""
+        arrays = {}
+        for layer in self.layers:
+            if layer.keys is not None:
+                arrays[f"layers.{layer.index}.keys"] = layer.keys
+                arrays[f"layers.{layer.index}.values"] = layer.values
         return arrays
 
     @property
@@ -268,6 +296,9 @@ class PagedKVCache:
         or a bad table raises :class:`CacheError`."""
         if meta.get("format") != CACHE_FORMAT:
             raise CacheError(f"not an {cls.STATE_NAME} state (format {meta.get('format')!r}, want {CACHE_FORMAT!r})")
+        if meta.get("kv_quant") and not cls.QUANTISED_KV:
+            raise CacheError(f"a quantised cache state (kv_bits {meta['kv_quant'].get('bits')}): {cls.STATE_NAME} "
+                             "holds float K/V only; load it with OmniCache (MLX)")
         try:
             cache = cls._from_meta(meta, **options)
             cache.evictions = int(meta["evictions"])

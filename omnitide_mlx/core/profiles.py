@@ -1,29 +1,30 @@
-"""Model profiles: token rates (paper table 1), real KV shapes, unit layouts and a deterministic stream generator.
+"""Model profiles: real shapes, retention defaults, the unit layout they stream, and a deterministic stream generator.
 
-A profile is what the simulator and the benchmarks need to know about a model without loading it: how many LLM
-tokens one second of camera + microphone becomes, how those tokens are laid out in a unit (boundary tokens and
-typed spans, taken from the model references in ``shared/reference/``), the RoPE position layout (1 axis or
-Qwen's 3-axis TMRoPE), the KV bytes per token, and the per-model retention defaults.
+A profile is what the simulator and the benchmarks need to know about a model without loading it: its language
+model's shape (declared here once: layers, query / KV heads, head dim, hidden and MLP sizes, vocabulary, from the
+released configs in ``shared/reference/``), the RoPE layout (1 axis or Qwen's 3-axis TMRoPE), the protected
+system prefix, the per-model retention defaults, and the media unit it streams.
 
-Unit layouts (one unit a second, a 1344x1344 frame and one second of audio, as in table 1):
-
-- Qwen2.5-Omni (audio in video): ``<|vision_bos|><|audio_bos|>`` video(2304) audio(25) ``<|audio_eos|><|vision_eos|>``
-  = 2333 tokens. TMRoPE: both bos tokens at ``p``; video at ``(p+1, p+1+row, p+1+col)`` on the 48x48 merged grid;
-  audio at ``p+1+i`` on all axes; both eos tokens at max + 1 (``reference/qwen2_5_omni.md`` 4.3).
-- MiniCPM-o 4.5 / 2.6 (duplex units): ``<unit>`` ``<image>`` source(64) ``</image>`` then 3 rows of 3 x
-  (``<slice>`` 64 ``</slice>``) separated by a ``\\n`` token, audio (10 or 25), ``<|listen|>`` ``</unit>`` = 675
-  (4.5) or 690 (2.6) tokens; plain 1-D RoPE (``reference/minicpm_o_4_5.md`` 1.6, 2.2).
+The media unit is not written here: the model's own layout code computes it for a media setting (frame size,
+``max_pixels`` / ``max_slice_nums``, audio per unit) and hands it over as a plain
+:class:`~.stream_units.StreamUnits` record (``models/stream_units.py``: ``resolve_profile(name, setting)``), so
+the simulator, both benchmarks, the eval harness and the engine stream the same unit (tests/models/
+test_stream_units.py builds it from real frames). Examples at ``--preset paper`` (paper table 1: a 1344x1344
+frame and one second of audio a unit): Qwen2.5-Omni ``<|vision_bos|><|audio_bos|>`` video(2304) audio(25)
+``<|audio_eos|><|vision_eos|>`` = 2333 tokens; MiniCPM-o 4.5 ``<unit><image>`` 64 ``</image>`` 9 x (``<slice>``
+64 ``</slice>``) audio(10) ``</unit>`` = 672 tokens.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
 
-from .units import Span, SpanKind, Unit, UnitKind
+from .stream_units import StreamUnits
+from .units import SpanKind, Unit, UnitKind
 
 
 class ProfileError(ValueError):
@@ -32,25 +33,27 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """What the simulator needs to know about one model (no weights)."""
+    """What the simulator and the benchmarks need to know about one model (no weights)."""
 
     name: str
     display: str
+    family: str  # "qwen2_5_omni" or "minicpmo": the unit layout's owner in models/
+    rope_axes: int  # 1: plain RoPE; 3: M-RoPE / TMRoPE (t, h, w)
     layers: int
     kv_heads: int
     head_dim: int
-    rope_axes: int  # 1: plain RoPE; 3: M-RoPE / TMRoPE (t, h, w)
-    family: str  # "qwen2_5_omni" or "minicpmo": selects the unit layout
-    image_tokens: int  # LLM tokens of one 1344x1344 frame (table 1)
-    audio_tokens_per_s: int
-    slice_grid: tuple[int, int] = (0, 0)  # (rows, cols) of local slices; (0, 0) = unsliced
-    slice_tokens: int = 0
-    source_tokens: int = 0
+    q_heads: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    rope_theta: float = 1e6
     system_tokens: int = 40  # the protected prefix (system prompt + the opening of the user turn)
     kv_dtype_bytes: int = 2  # fp16 KV, as in the paper's runs
     high: int = 2500
     low: int = 1800
     pick: dict = field(default_factory=dict)  # OmniPick knobs for this model
+    layout_kw: dict = field(default_factory=dict)  # model-side settings the unit layout needs (audio pooling, ...)
+    units: StreamUnits | None = None  # the media unit at a setting (models/stream_units.py fills it in)
     notes: str = ""
 
     @property
@@ -58,9 +61,26 @@ class ModelProfile:
         """K and V of every layer: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
 
+    def with_units(self, units: StreamUnits) -> "ModelProfile":
+        if units.family != self.family:
+            raise ProfileError(f"{self.name}: a {units.family} unit layout does not fit a {self.family} profile")
+        if units.axes != self.rope_axes:
+            raise ProfileError(f"{self.name}: {units.axes}-axis unit positions for {self.rope_axes}-axis RoPE")
+        return replace(self, units=units)
+
+    @property
+    def stream_units(self) -> StreamUnits:
+        if self.units is None:
+            raise ProfileError(f"profile {self.name!r} carries no unit layout: resolve it with "
+                               "omnitide_mlx.models.stream_units.resolve_profile(name, setting)")
+        return self.units
+
     @property
     def media_unit_tokens(self) -> int:
-        return sum(n for _, n in self._media_pieces())
+        return self.stream_units.tokens
+
+    def tokens_by_kind(self) -> dict[str, int]:
+        return self.stream_units.tokens_by_kind()
 
     def policy_kwargs(self, policy_cls: type) -> dict[str, Any]:
         """This model's defaults for the keyword arguments ``policy_cls`` accepts (watermarks, sinks, ...)."""
@@ -69,20 +89,6 @@ class ModelProfile:
         return {k: v for k, v in wanted.items() if k in params}
 
     # --- unit layouts -------------------------------------------------------------------------------------
-    def _media_pieces(self) -> list[tuple[SpanKind, int]]:
-        if self.family == "qwen2_5_omni":
-            return [(SpanKind.BOUNDARY, 2), (SpanKind.IMAGE, self.image_tokens),
-                    (SpanKind.AUDIO, self.audio_tokens_per_s), (SpanKind.BOUNDARY, 2)]
-        rows, cols = self.slice_grid
-        out = [(SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SOURCE, self.source_tokens), (SpanKind.BOUNDARY, 1)]
-        for r in range(rows):
-            if r:
-                out.append((SpanKind.BOUNDARY, 1))  # "\n" between slice rows
-            for _ in range(cols):
-                out += [(SpanKind.BOUNDARY, 1), (SpanKind.IMAGE_SLICE, self.slice_tokens), (SpanKind.BOUNDARY, 1)]
-        out += [(SpanKind.AUDIO, self.audio_tokens_per_s), (SpanKind.BOUNDARY, 2)]  # <|listen|> </unit>
-        return _merge_adjacent_boundaries(out)
-
     def _question_pieces(self, n: int) -> list[tuple[SpanKind, int]]:
         if self.family == "qwen2_5_omni":  # text, then <|im_end|> \n <|im_start|> assistant \n
             return [(SpanKind.TEXT, n), (SpanKind.BOUNDARY, 5)]
@@ -99,25 +105,7 @@ class ModelProfile:
 
     def media_unit(self, uid: int, start: int, t: float | None = None) -> Unit:
         """One second of camera + microphone, positions starting at ``start``."""
-        pieces = self._media_pieces()
-        spans = _spans(pieces)
-        if self.rope_axes == 1:
-            pos = np.arange(start, start + spans[-1].end, dtype=np.int64)[None, :]
-        else:
-            pos = self._tmrope_positions(start)
-        return Unit(uid=uid, kind=UnitKind.MEDIA, spans=spans, positions=pos, t=t, label="av")
-
-    def _tmrope_positions(self, p: int) -> np.ndarray:
-        side = int(round(self.image_tokens ** 0.5))
-        if side * side != self.image_tokens:
-            raise ProfileError(f"{self.name}: TMRoPE layout needs a square merged grid, got {self.image_tokens}")
-        st = p + 1
-        rows, cols = np.divmod(np.arange(self.image_tokens, dtype=np.int64), side)
-        video = np.stack([np.full(self.image_tokens, st), st + rows, st + cols])
-        audio = np.broadcast_to(st + np.arange(self.audio_tokens_per_s, dtype=np.int64),
-                                (3, self.audio_tokens_per_s))
-        eos = max(int(video.max()), int(audio.max()) if audio.size else st) + 1
-        return np.concatenate([np.full((3, 2), p), video, audio, np.full((3, 2), eos)], axis=1)
+        return self.stream_units.unit(uid, start, t)
 
     def question_unit(self, uid: int, start: int, n_text: int, t: float | None = None) -> Unit:
         return Unit.build(uid, UnitKind.USER, self._question_pieces(n_text), start_position=start,
@@ -129,28 +117,11 @@ class ModelProfile:
 
     def to_json(self) -> dict:
         return {"name": self.name, "display": self.display, "layers": self.layers, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "rope_axes": self.rope_axes, "image_tokens": self.image_tokens,
-                "audio_tokens_per_s": self.audio_tokens_per_s, "media_unit_tokens": self.media_unit_tokens,
+                "head_dim": self.head_dim, "q_heads": self.q_heads, "rope_axes": self.rope_axes,
+                "media_unit_tokens": self.units.tokens if self.units else None,
+                "units": self.units.to_json() if self.units else None,
                 "system_tokens": self.system_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "high": self.high, "low": self.low, "pick": dict(self.pick)}
-
-
-def _merge_adjacent_boundaries(pieces: list[tuple[SpanKind, int]]) -> list[tuple[SpanKind, int]]:
-    out: list[tuple[SpanKind, int]] = []
-    for k, n in pieces:
-        if out and k is SpanKind.BOUNDARY and out[-1][0] is SpanKind.BOUNDARY:
-            out[-1] = (k, out[-1][1] + n)
-        else:
-            out.append((k, n))
-    return out
-
-
-def _spans(pieces: list[tuple[SpanKind, int]]) -> tuple[Span, ...]:
-    out, cursor = [], 0
-    for k, n in pieces:
-        out.append(Span(k, cursor, cursor + n))
-        cursor += n
-    return tuple(out)
 
 
 # OmniPick knobs the paper leaves open (docs/simulator.md says why):
@@ -164,25 +135,27 @@ _PICK_DEFAULTS = {"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_si
 _QWEN_SYSTEM = 43  # <|im_start|>system\n + the default Qwen system prompt (37 BPE tokens) + <|im_end|>\n, then <|im_start|>user\n
 _MINICPM_SYSTEM = 15  # <|im_start|>system\nYou are a helpful assistant.\n<|im_end|>\n (12) + <|im_start|>user\n (3)
 
+# shapes from the released configs (shared/reference/): Qwen2.5-Omni-7B / 3B thinkers (Qwen2.5-7B / 3B LLMs),
+# MiniCPM-o 4.5 (Qwen3-8B LLM), MiniCPM-o 2.6 (Qwen2.5-7B LLM)
 PROFILES: dict[str, ModelProfile] = {
     "qwen2.5-omni-7b": ModelProfile(
-        name="qwen2.5-omni-7b", display="Qwen2.5-Omni-7B", layers=28, kv_heads=4, head_dim=128, rope_axes=3,
-        family="qwen2_5_omni", image_tokens=2304, audio_tokens_per_s=25, system_tokens=_QWEN_SYSTEM,
-        pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-7B LLM (hidden 3584, 28 heads / 4 KV heads)"),
+        name="qwen2.5-omni-7b", display="Qwen2.5-Omni-7B", family="qwen2_5_omni", rope_axes=3, layers=28,
+        kv_heads=4, head_dim=128, q_heads=28, hidden=3584, intermediate=18944, vocab=152064,
+        system_tokens=_QWEN_SYSTEM, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-7B LLM"),
     "qwen2.5-omni-3b": ModelProfile(
-        name="qwen2.5-omni-3b", display="Qwen2.5-Omni-3B", layers=36, kv_heads=2, head_dim=128, rope_axes=3,
-        family="qwen2_5_omni", image_tokens=2304, audio_tokens_per_s=25, system_tokens=_QWEN_SYSTEM,
-        pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-3B LLM (hidden 2048, 16 heads / 2 KV heads)"),
+        name="qwen2.5-omni-3b", display="Qwen2.5-Omni-3B", family="qwen2_5_omni", rope_axes=3, layers=36,
+        kv_heads=2, head_dim=128, q_heads=16, hidden=2048, intermediate=11008, vocab=151936,
+        system_tokens=_QWEN_SYSTEM, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-3B LLM"),
     "minicpm-o-4.5": ModelProfile(
-        name="minicpm-o-4.5", display="MiniCPM-o 4.5", layers=36, kv_heads=8, head_dim=128, rope_axes=1,
-        family="minicpmo", image_tokens=640, audio_tokens_per_s=10, slice_grid=(3, 3), slice_tokens=64,
-        source_tokens=64, system_tokens=_MINICPM_SYSTEM, pick=dict(_PICK_DEFAULTS),
-        notes="Qwen3-8B LLM; 640 image tokens = source + 3x3 slices of 64; Whisper + 5-frame pooling"),
+        name="minicpm-o-4.5", display="MiniCPM-o 4.5", family="minicpmo", rope_axes=1, layers=36, kv_heads=8,
+        head_dim=128, q_heads=32, hidden=4096, intermediate=12288, vocab=151748, system_tokens=_MINICPM_SYSTEM,
+        pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 5},
+        notes="Qwen3-8B LLM; SigLIP + resampler (64 tokens per image or slice); Whisper + 5-frame pooling"),
     "minicpm-o-2.6": ModelProfile(
-        name="minicpm-o-2.6", display="MiniCPM-o 2.6", layers=28, kv_heads=4, head_dim=128, rope_axes=1,
-        family="minicpmo", image_tokens=640, audio_tokens_per_s=25, slice_grid=(3, 3), slice_tokens=64,
-        source_tokens=64, system_tokens=_MINICPM_SYSTEM, pick=dict(_PICK_DEFAULTS),
-        notes="Qwen2.5-7B LLM; 640 image tokens = source + 3x3 slices of 64; 25 audio tokens a second"),
+        name="minicpm-o-2.6", display="MiniCPM-o 2.6", family="minicpmo", rope_axes=1, layers=28, kv_heads=4,
+        head_dim=128, q_heads=28, hidden=3584, intermediate=18944, vocab=151700, system_tokens=_MINICPM_SYSTEM,
+        pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 2},
+        notes="Qwen2.5-7B LLM; 2-frame audio pooling (25 tokens a second); units as 4.5's (no 2.6 port)"),
 }
 
 _ALIASES = {"qwen7b": "qwen2.5-omni-7b", "qwen3b": "qwen2.5-omni-3b", "minicpm-o-4_5": "minicpm-o-4.5",

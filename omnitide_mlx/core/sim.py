@@ -132,6 +132,7 @@ class Simulator:
                  layouts: Sequence[str] = LAYOUT_NAMES, migration: str = "class_aware",
                  page_size: int = 64, subblock_size: int = 32, min_gain_pages: int = 1, check: bool = False):
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        self.profile.stream_units  # noqa: B018  (a profile without its unit layout fails here, with the fix)
         self.policy = make_policy(policy, profile=self.profile) if isinstance(policy, str) else policy
         self.stream = stream
         if not layouts:

@@ -125,13 +125,16 @@ def _check_arrays(q: mx.array, k_buf: mx.array, v_buf: mx.array, plan: TilePlan)
 
 
 def backend() -> str:
-    """'metal' on an Apple GPU, else 'reference'; OMNITIDE_KERNELS=reference|metal forces one."""
-    forced = os.environ.get("OMNITIDE_KERNELS", "auto")
-    if forced == "reference":
+    """'metal' on an Apple GPU, else 'reference' (page_compact's choice); OMNITIDE_KERNELS=reference forces the
+    reference, =vector (or metal) insists on Metal (kernels/dispatch.py)."""
+    from .dispatch import KernelPathError, forced, metal_device
+
+    f = forced()
+    if f == "reference":
         return "reference"
-    on_gpu = mx.metal.is_available() and mx.default_device() == mx.gpu
-    if forced == "metal" and not on_gpu:
-        raise RuntimeError("OMNITIDE_KERNELS=metal but no Metal GPU is the default device")
+    on_gpu = metal_device()
+    if f == "vector" and not on_gpu:
+        raise KernelPathError("OMNITIDE_KERNELS=vector (metal) but no Metal GPU is the default device")
     return "metal" if on_gpu else "reference"
 
 
@@ -141,16 +144,21 @@ def tile_skip_attention(q, k_buf, v_buf, slot_seq=None, q_seq=None, tiles=None, 
 
     ``plan`` (from ``plan_tiles``) replaces ``slot_seq`` / ``q_seq`` / ``tiles`` / ``tile`` when a caller attends
     several layers with one page table. With ``return_scores`` it also returns the attention each slot received,
-    summed over query heads and queries, float32 [capacity] (H2O); that runs the reference path.
+    summed over query heads and queries, float32 [capacity] (H2O); that runs the reference path. Which path runs
+    is kernels/dispatch.py's choice (reference off Metal; on Metal the vector kernel, gathered or dense fused
+    attention by a calibrated cost model; OMNITIDE_KERNELS forces one).
     """
     if plan is None:
         if slot_seq is None or q_seq is None or tiles is None:
             raise AttentionError("pass slot_seq, q_seq and tiles, or a plan")
         plan = plan_tiles(slot_seq, q_seq, tiles, tile)
     _check_arrays(q, k_buf, v_buf, plan)
-    if return_scores or backend() == "reference" or q.shape[-1] % 32:
+    from . import dispatch
+
+    path = dispatch.choose(q, k_buf, plan, scale, return_scores=return_scores)
+    if path == "reference":
         return reference_attention(q, k_buf, v_buf, plan, scale, return_scores=return_scores)
-    return metal_attention(q, k_buf, v_buf, plan, scale)
+    return dispatch.run_path(path, q, k_buf, v_buf, plan, scale)
 
 
 # --- reference (MLX ops) ------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .attention import AttentionError, backend, metal_source, run_metal_spec
+from . import attention as _attention
+from .attention import AttentionError, backend, metal_source
 
 COMPACT_BODY = """
     page_compact_impl<T>(k, v, src, dims, k_rows, v_rows, thread_position_in_grid);
@@ -60,5 +61,13 @@ def page_compact(k_buf: mx.array, v_buf: mx.array, src) -> tuple[mx.array, mx.ar
     _check(k_buf, v_buf, src_np)
     if src_np.size == 0 or backend() == "reference":
         return page_compact_reference(k_buf, v_buf, src_np)
-    k_rows, v_rows = run_metal_spec(page_compact_spec(k_buf, v_buf, src_np))
+    from . import dispatch, selftest
+
+    if dispatch.forced() is None and not selftest.passed("page_compact", k_buf.dtype, k_buf.shape[-1], 0):
+        return page_compact_reference(k_buf, v_buf, src_np)
+    return _metal_page_compact(k_buf, v_buf, src_np)
+
+
+def _metal_page_compact(k_buf: mx.array, v_buf: mx.array, src) -> tuple[mx.array, mx.array]:
+    k_rows, v_rows = _attention.run_metal_spec(page_compact_spec(k_buf, v_buf, src))
     return k_rows, v_rows

@@ -35,11 +35,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..core.layout_checkpoints import Q_HEADS, Checkpoint, checkpoint_simulator, parse_histories, record_checkpoints
+from ..core.layout_checkpoints import Checkpoint, checkpoint_simulator, parse_histories, record_checkpoints
 from ..core.page import AllocClass, MigrationPlan, PageTable
 from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
-from ..core.profiles import PROFILES, get_profile
+from ..core.profiles import PROFILES
+from ..models.stream_units import resolve_profile
 from ..bench.report import write_outputs
 from ..core.sim import LayoutTrace, make_layout
 from .attention import attend, plan_step
@@ -53,7 +54,7 @@ _NEW_UID = 1 << 40
 def checkpoints(profile, histories: list[int], *, policy: str = "omnipick", seed: int = 0, question_every: int = 30,
                 **policy_kw) -> list[Checkpoint]:
     """Stream once through every checkpoint (ascending), the four layouts side by side."""
-    sim = checkpoint_simulator(profile, histories, policy=policy, seed=seed, question_every=question_every,
+    sim = checkpoint_simulator(resolve_profile(profile), histories, policy=policy, seed=seed, question_every=question_every,
                                layouts=("native", "omnipage", "eager"), migration="ordered_suffix", **policy_kw)
     sim.layouts["ordered_suffix"] = sim.layouts.pop("omnipage")
     table, planner = make_layout("omnipage", migration="class_aware")
@@ -202,23 +203,22 @@ def versions(device: torch.device) -> dict:
 
 
 def run_bench(shape: str, histories: list[int], *, device, dtype=torch.float16, kernels=None, policy="omnipick",
-              seed: int = 0, reps: int | None = None, log=None, **policy_kw) -> dict:
+              seed: int = 0, reps: int | None = None, log=None, setting=None, **policy_kw) -> dict:
     device = torch.device(device)
     kernels = tuple(kernels or (("flex", "sdpa") if device.type == "cuda" else ("sdpa",)))
-    prof = get_profile(shape)
-    if prof.name not in Q_HEADS:
-        raise ValueError(f"no query-head count for profile {prof.name}")
+    prof = resolve_profile(shape, setting)
     t0 = time.perf_counter()
     cps = checkpoints(prof, histories, policy=policy, seed=seed, **policy_kw)
     rows: list[dict] = []
     for cp in cps:
-        rows += bench_checkpoint(cp, q_heads=Q_HEADS[prof.name], kv_heads=prof.kv_heads, head_dim=prof.head_dim,
+        rows += bench_checkpoint(cp, q_heads=prof.q_heads, kv_heads=prof.kv_heads, head_dim=prof.head_dim,
                                  chunk=prof.media_unit_tokens, dtype=dtype, device=device, kernels=kernels,
                                  seed=seed, reps=reps, log=log)
     return {"backend": "torch", "shape": prof.name, "versions": versions(device), "kernels": list(kernels),
-            "attention_shape": {"q_heads": Q_HEADS[prof.name], "kv_heads": prof.kv_heads, "head_dim": prof.head_dim,
+            "attention_shape": {"q_heads": prof.q_heads, "kv_heads": prof.kv_heads, "head_dim": prof.head_dim,
                                 "layers_timed": 1, "dtype": str(dtype).split(".")[-1]},
             "policy": make_policy(policy, profile=prof, **policy_kw).config(), "chunk_tokens": prof.media_unit_tokens,
+            "units": prof.units.to_json(),
             "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
 
 

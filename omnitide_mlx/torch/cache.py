@@ -281,6 +281,13 @@ class OmniTorchCache(PagedKVCache, Cache):
         extra = torch.zeros(new - self._capacity, dtype=torch.float32, device=self.device)
         self._scores = torch.cat([self._scores, extra])
 
+    def _shrink_buffers(self, capacity: int) -> None:
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys = layer.keys[:, :, :capacity].clone()
+                layer.values = layer.values[:, :, :capacity].clone()
+        self._scores = self._scores[:capacity].clone()
+
     # --- eviction (evict: PagedKVCache) -----------------------------------------------------------------------
     def _rerotate(self, slots: np.ndarray, shifts: np.ndarray) -> None:
         """Rotate the keys at ``slots`` by ``-shifts``: gather, one float32 rotation, one rounding, scatter."""

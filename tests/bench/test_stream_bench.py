@@ -97,7 +97,7 @@ def test_flop_limit_at_32k_for_the_3b_shape():
     shape = SHAPES["qwen2.5-omni-3b"]
     from omnitide_mlx.bench.shape_models import profile_for
 
-    prof = profile_for(shape.name)
+    prof = profile_for(shape.name, "paper")  # the figure is at the paper's units (2,333 tokens)
     stream = StreamSpec(40, question_every=30)
     chunk = prof.media_unit_tokens
     keys = {}

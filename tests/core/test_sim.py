@@ -21,35 +21,50 @@ from omnitide_mlx.core.sim import (
     snapshot_at,
 )
 from omnitide_mlx.core.units import SpanKind
+from omnitide_mlx.models.stream_units import resolve_profile
+
+
+def paper(name):
+    """The profile at the paper's media setting (table 1: a 1344x1344 frame and a second of audio a unit)."""
+    return resolve_profile(name, "paper")
 
 
 def test_profiles_match_table_1_and_the_real_shapes():
-    q7, q3 = get_profile("qwen2.5-omni-7b"), get_profile("qwen2.5-omni-3b")
-    m45, m26 = get_profile("minicpm-o-4.5"), get_profile("minicpm-o-2.6")
+    q7, q3 = paper("qwen2.5-omni-7b"), paper("qwen2.5-omni-3b")
+    m45, m26 = paper("minicpm-o-4.5"), paper("minicpm-o-2.6")
     assert q7.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
     assert q3.kv_bytes_per_token == 2 * 36 * 2 * 128 * 2
     assert m45.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
     assert m26.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
-    # table 1: ~2,300 tokens a unit for Qwen, ~700 for MiniCPM (image 640 = source + 3x3 slices of 64)
-    assert q7.media_unit_tokens == 2 + 2304 + 25 + 2
-    assert m45.media_unit_tokens == 675 and m26.media_unit_tokens == 690
+    # table 1: ~2,300 tokens a unit for Qwen, ~700 for MiniCPM (image 640 = source + 3x3 slices of 64; the duplex
+    # unit: <unit> ... </unit> around it, 2 markers per image or slice, no "\n" between slice rows)
+    assert q7.media_unit_tokens == q3.media_unit_tokens == 2 + 2304 + 25 + 2
+    assert m45.media_unit_tokens == 672 and m26.media_unit_tokens == 687
+    assert (q7.q_heads, q3.q_heads, m45.q_heads) == (28, 16, 32)
     u = m45.media_unit(3, 100)
     kinds = [s.kind for s in u.spans]
     assert kinds.count(SpanKind.IMAGE_SLICE) == 9 and kinds.count(SpanKind.IMAGE_SOURCE) == 1
     assert sum(s.length for s in u.spans_of(SpanKind.AUDIO)) == 10
-    assert sum(s.length for s in u.spans_of(SpanKind.BOUNDARY)) == 675 - 640 - 10
-    assert np.array_equal(u.positions[0], np.arange(100, 775))
+    assert sum(s.length for s in u.spans_of(SpanKind.BOUNDARY)) == 672 - 640 - 10
+    assert np.array_equal(u.positions[0], np.arange(100, 772))
+
+
+def test_a_profile_without_its_unit_layout_says_how_to_get_one():
+    with pytest.raises(ProfileError, match="resolve_profile"):
+        Simulator("qwen2.5-omni-7b", "omnitide", StreamSpec(2))
+    with pytest.raises(ProfileError, match="does not fit"):
+        get_profile("qwen2.5-omni-7b").with_units(paper("minicpm-o-4.5").units)
 
 
 def test_qwen_unit_uses_tmrope_positions():
-    u = get_profile("qwen2.5-omni-7b").media_unit(1, 50)
+    u = paper("qwen2.5-omni-7b").media_unit(1, 50)
     pos = u.positions
     assert pos.shape == (3, 2333)
     assert (pos[:, :2] == 50).all()  # <|vision_bos|><|audio_bos|> share a position
     video = pos[:, 2:2306]
     assert (video[0] == 51).all() and video[1].max() == 51 + 47 and video[2].max() == 51 + 47
     assert np.array_equal(pos[:, 2306:2331], np.broadcast_to(np.arange(51, 76), (3, 25)))
-    assert (pos[:, -2:] == 51 + 48).all()  # both eos at max + 1
+    assert (pos[:, -2:] == 76).all()  # both eos one past the last run's largest position (transformers)
 
 
 def test_policy_defaults_come_from_the_profile_and_keywords_win():
@@ -76,7 +91,7 @@ def test_stream_is_deterministic_by_seed():
 @pytest.mark.parametrize("policy", ["omnitide", "fifo", "token", "streamingllm", "h2o", "full"])
 def test_simulator_keeps_tables_and_history_in_step(profile, policy):
     """check=True validates every layout's table against the history after each update (invariant 6)."""
-    prof = get_profile(profile)
+    prof = paper(profile)
     pol = make_policy(policy, profile=prof)
     sim = Simulator(prof, pol, StreamSpec(12, question_every=4, seed=1), check=True)
     for event in sim.stream.events():
@@ -96,17 +111,17 @@ def test_simulator_keeps_tables_and_history_in_step(profile, policy):
 
 
 def test_same_seed_same_numbers():
-    a = simulate("minicpm-o-4.5", "omnitide", 90, seed=3)
-    b = simulate("minicpm-o-4.5", "omnitide", 90, seed=3)
+    a = simulate(paper("minicpm-o-4.5"), "omnitide", 90, seed=3)
+    b = simulate(paper("minicpm-o-4.5"), "omnitide", 90, seed=3)
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-    h1 = simulate("qwen2.5-omni-3b", "h2o", 20, seed=3)
-    h2 = simulate("qwen2.5-omni-3b", "h2o", 20, seed=3)
+    h1 = simulate(paper("qwen2.5-omni-3b"), "h2o", 20, seed=3)
+    h2 = simulate(paper("qwen2.5-omni-3b"), "h2o", 20, seed=3)
     assert json.dumps(h1, sort_keys=True) == json.dumps(h2, sort_keys=True)
 
 
 @pytest.mark.parametrize("profile", ["qwen2.5-omni-7b", "minicpm-o-4.5"])
 def test_long_stream_memory_is_flat_after_the_first_trims(profile):
-    sim = Simulator(profile, "omnitide", StreamSpec(900, question_every=30, seed=0))
+    sim = Simulator(paper(profile), "omnitide", StreamSpec(900, question_every=30, seed=0))
     cap_after_warmup = None
     spans = []
     for event in sim.stream.events():
@@ -115,21 +130,23 @@ def test_long_stream_memory_is_flat_after_the_first_trims(profile):
             cap_after_warmup = {n: r["capacity"] for n, r in recs.items()}
         if event.t >= 60:
             spans.append(max(r["physical_span"] for r in recs.values()))
-    assert {n: lt.table.capacity for n, lt in sim.layouts.items()} == cap_after_warmup
-    assert max(spans) <= max(cap_after_warmup.values())
+    # flat: a longer question + reply than any before may need one more page, never more
+    for n, lt in sim.layouts.items():
+        assert cap_after_warmup[n] <= lt.table.capacity <= cap_after_warmup[n] + lt.table.page_size
+    assert max(spans) <= max(lt.table.capacity for lt in sim.layouts.values())
     assert sim.history.total_tokens <= sim.policy.high
 
 
 def test_page_table_at_a_no_slide_checkpoint():
     for layout in LAYOUT_NAMES:
-        snap = snapshot_at("qwen2.5-omni-7b", "omnitide", layout, 8192)
+        snap = snapshot_at(paper("qwen2.5-omni-7b"), "omnitide", layout, 8192)
         assert snap.full_context_tokens >= 8192
         snap.table.check_history(snap.history)
         assert snap.table.stats().retained_cells == snap.history.total_tokens
-    full = page_table_at("minicpm-o-4.5", "full", "native", 4096)
+    full = page_table_at(paper("minicpm-o-4.5"), "full", "native", 4096)
     assert full.stats().retained_cells >= 4096 and full.stats().holes < full.page_size
     with pytest.raises(SimError, match="system"):
-        page_table_at("minicpm-o-4.5", "full", "native", 3)
+        page_table_at(paper("minicpm-o-4.5"), "full", "native", 3)
 
 
 def test_layouts_by_name():
@@ -145,7 +162,7 @@ def test_layouts_by_name():
 
 def test_h2o_and_streamingllm_run_in_the_simulator():
     for pol in (H2O(high=3000, low=2000), StreamingLLM(high=3000, low=2000)):
-        r = simulate("minicpm-o-4.5", pol, 30)
+        r = simulate(paper("minicpm-o-4.5"), pol, 30)
         assert r["trims"] > 0
         assert r["layouts"]["native"]["final"]["retained_cells"] <= 3000
 

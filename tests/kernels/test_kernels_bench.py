@@ -49,11 +49,10 @@ def test_bench_rows_on_a_tiny_shape():
 
 def test_cli_writes_json(tmp_path, monkeypatch):
     """The command end to end on a tiny profile (monkeypatched shape) with --json and --plot."""
-    monkeypatch.setitem(ba.Q_HEADS, "minicpm-o-4.5", 4)
     from omnitide_mlx.core import profiles
 
     small = profiles.PROFILES["minicpm-o-4.5"].__class__(**{**profiles.PROFILES["minicpm-o-4.5"].__dict__,
-                                                             "kv_heads": 1, "head_dim": 32})
+                                                             "q_heads": 4, "kv_heads": 1, "head_dim": 32})
     monkeypatch.setitem(profiles.PROFILES, "minicpm-o-4.5", small)
     out = tmp_path / "a.json"
     png = tmp_path / "a.png"

@@ -1,4 +1,5 @@
-"""The MLX-ops reference of tile_skip_attention and page_compact against a float64 numpy statement of the contract."""
+"""Every CPU-runnable path of tile_skip_attention (the MLX-ops reference, gathered and dense fused attention) and
+page_compact against a float64 numpy statement of the contract."""
 
 import mlx.core as mx
 import numpy as np
@@ -13,6 +14,16 @@ from omnitide_mlx.kernels import (
     tile_skip_attention,
 )
 from omnitide_mlx.kernels import attention as attn
+from omnitide_mlx.kernels import fused
+
+CPU_PATHS = ["reference", "gather", "dense"]
+
+
+@pytest.fixture(params=CPU_PATHS)
+def path(request, monkeypatch):
+    """Runs a test once per path, forced through OMNITIDE_KERNELS as a user would."""
+    monkeypatch.setenv("OMNITIDE_KERNELS", request.param)
+    return request.param
 
 
 def _run(rng, hkv, g, d, tile, capacity, t, fill, scale=0.3, dtype=mx.float32, tiles=None, **kw):
@@ -30,7 +41,7 @@ def _run(rng, hkv, g, d, tile, capacity, t, fill, scale=0.3, dtype=mx.float32, t
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_layouts_match_oracle(seed):
+def test_random_layouts_match_oracle(seed, path):
     rng = np.random.default_rng(seed)
     tile = (32, 64)[seed % 2]
     hkv, g = int(rng.integers(1, 3)), int(rng.integers(1, 5))
@@ -104,9 +115,10 @@ def test_query_blocks_bound_the_score_memory(monkeypatch):
     np.testing.assert_allclose(np.array(out), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_causal_inside_the_new_chunk_and_block_skipping(monkeypatch):
+def test_causal_inside_the_new_chunk_and_block_skipping(monkeypatch, path):
     """Prefill: query i of the chunk sees the chunk's keys up to itself; small query blocks skip future tiles."""
     monkeypatch.setattr(attn, "SCORE_BUDGET", 2 * 8 * 64 * 6)
+    monkeypatch.setattr(fused, "FUSED_BLOCK_MAX", 16)
     rng = np.random.default_rng(3)
     capacity, tile, t = 640, 64, 200
     seq = np.full(capacity, -1)
@@ -121,7 +133,7 @@ def test_causal_inside_the_new_chunk_and_block_skipping(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_half_precision_kv_accumulates_in_float32(dtype):
+def test_half_precision_kv_accumulates_in_float32(dtype, path):
     rng = np.random.default_rng(11)
     out, (ref, _) = _run(rng, 2, 3, 64, 64, 512, 6, 0.5, dtype=dtype)
     assert out.dtype == dtype
@@ -130,9 +142,10 @@ def test_half_precision_kv_accumulates_in_float32(dtype):
 
 
 @pytest.mark.parametrize("t", [1, 7])
-def test_inactive_tiles_are_never_read(t):
+def test_inactive_tiles_are_never_read(t, path):
     """Tiles left off the list are not read: NaN keys there (visible by seq) leave the output finite and equal to
-    attention over the listed tiles only."""
+    attention over the listed tiles only. The dense path reads the span between listed tiles (kernels/fused.py):
+    there the unlisted tiles hold large finite values instead, which its mask must hide."""
     rng = np.random.default_rng(5)
     capacity, tile = 512, 32
     seq = np.arange(capacity)
@@ -141,8 +154,8 @@ def test_inactive_tiles_are_never_read(t):
     off = np.ones(capacity // tile, bool)
     off[tiles] = False
     off = np.repeat(off, tile)
-    k[:, :, off] = np.nan
-    v[:, :, off] = np.nan
+    k[:, :, off] = np.nan if path != "dense" else 1e4
+    v[:, :, off] = np.nan if path != "dense" else 1e4
     q = rand(rng, (1, 4, t, 64))
     qs = capacity - t + np.arange(t)
     out = np.array(tile_skip_attention(mx.array(q), mx.array(k), mx.array(v), seq, qs, tiles, 0.125, tile))
@@ -151,13 +164,16 @@ def test_inactive_tiles_are_never_read(t):
                                                      0.125)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_edge_cases():
+def test_edge_cases(path):
     rng = np.random.default_rng(2)
     q, k, v = mx.array(rand(rng, (1, 2, 3, 32))), mx.array(rand(rng, (1, 1, 128, 32))), mx.array(rand(rng, (1, 1, 128, 32)))
     seq = np.full(128, -1)
     # no active tile: zeros, and no attention anywhere
+    assert not np.array(tile_skip_attention(q, k, v, seq, [0, 1, 2], [], 0.1, 64)).any()
     out, scores = tile_skip_attention(q, k, v, seq, [0, 1, 2], [], 0.1, 64, return_scores=True)
     assert not np.array(out).any() and not np.array(scores).any()
+    # listed tiles that hold only free slots: zeros
+    assert not np.array(tile_skip_attention(q, k, v, seq, [0, 1, 2], [0, 1], 0.1, 64)).any()
     # all holes but one: every query attends to that one key with weight 1
     seq[77] = 0
     out = tile_skip_attention(q, k, v, seq, [0, 1, 2], [1], 0.1, 64)
@@ -232,3 +248,22 @@ def test_page_compact_gathers_rows(dtype):
     assert mx.array_equal(kr, k[:, :, mx.array(src), :]) and mx.array_equal(vr, v[:, :, mx.array(src), :])
     with pytest.raises(AttentionError, match="source slots"):
         page_compact(k, v, [192])
+
+
+@pytest.mark.parametrize("block", [1, 3, 64])
+def test_fused_paths_in_query_blocks_with_empty_tiles_and_gqa(block, path, monkeypatch):
+    """Query blocks of every size (a block whose queries see nothing yet, one that sees part of the chunk), listed
+    tiles that hold only holes, serials out of slot order (the gather path's scratch is ordered by serial), GQA 4:1."""
+    monkeypatch.setattr(fused, "FUSED_BLOCK_MAX", block)
+    rng = np.random.default_rng(block)
+    capacity, tile, t = 512, 32, 9
+    seq = np.full(capacity, -1)
+    hist = rng.choice(np.arange(64, 384), 150, replace=False)
+    seq[hist] = rng.permutation(150) + 2
+    seq[448:448 + t] = 152 + np.arange(t)  # the chunk's own tile, after the history's
+    qs = np.concatenate([[0, 1], 152 + np.arange(2, t)])  # two queries precede every stored serial
+    tiles = np.concatenate([[0, 1], np.nonzero((seq.reshape(-1, tile) >= 0).any(axis=1))[0]])  # 0, 1: empty
+    q, k, v = rand(rng, (1, 8, t, 64)), rand(rng, (1, 2, capacity, 64)), rand(rng, (1, 2, capacity, 64))
+    out = np.array(tile_skip_attention(mx.array(q), mx.array(k), mx.array(v), seq, qs, tiles, 0.125, tile))
+    np.testing.assert_allclose(out, oracle_attention(q, k, v, seq, qs, tiles, tile, 0.125)[0], atol=1e-5, rtol=1e-5)
+    assert not out[:, :, :2].any()

@@ -6,25 +6,36 @@ official checkpoint layout (or a folder written by ``omnitide convert``) and ret
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
-import mlx.core as mx
-
-from ..loading import CheckpointError, apply_quantization, load_safetensors, load_weights_strict
+from ..loading import CheckpointError
 from .config import ConfigError, ModelConfig
-from .model import Model
 from .processor import MiniCPMOProcessor
 
 __all__ = ["ConfigError", "MiniCPMOProcessor", "Model", "ModelConfig", "load_model"]
 
 
-def load_model(path: Path, config: dict, dtype: mx.Dtype | None = None, lazy: bool = False, **_):
+def __getattr__(name):  # MLX is imported when the model is first used: layout.py stays importable without it
+    if name == "Model":
+        value = importlib.import_module(".model", __name__).Model
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def load_model(path: Path, config: dict, dtype=None, lazy: bool = False, **_):
     """Build the model from ``config``, load and check every weight, and the processor from the same folder.
 
     ``dtype``: cast floating weights (e.g. ``mx.float32`` on CPU; default: as stored). Raises
     ``CheckpointError`` (the config does not describe a model this port runs, or the weights do not match it,
     with every missing / unexpected / mis-shaped key listed).
     """
+    import mlx.core as mx
+
+    from ..loading import apply_quantization, load_safetensors, load_weights_strict
+    from .model import Model
+
     path = Path(path)
     cfg = ModelConfig.from_dict(config)
     model = Model(cfg)

@@ -29,10 +29,13 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from PIL import Image
 
+from ...core.stream_units import MediaSetting, StreamUnits
 from ...core.units import SpanKind, UnitKind
 from ..base import MediaError, PreparedUnit, StreamAdapter, spans_from_runs, text_positions
 from .audio import WhisperStreamCache
+from .layout import STREAMING_MAX_SLICE_NUMS, frame_runs, stream_units
 from .processor import SAMPLE_RATE, StreamingMel
 
 DEFAULT_SYSTEM_PROMPT = ("You are a helpful assistant. You can accept audio and text input and output voice and "
@@ -45,14 +48,21 @@ class MiniCPMOStreamAdapter(StreamAdapter):
     sample_rate = SAMPLE_RATE
 
     def __init__(self, model, processor, mode: str = "streaming", max_slice_nums: int | None = None,
-                 tts_template: bool = True):
+                 tts_template: bool = True, media: MediaSetting | None = None):
+        """``max_slice_nums`` (or ``media.max_slice_nums``): slices per frame; default 1 (unsliced) in streaming
+        mode, as the official streaming calls do, and the processor's (9) in offline mode. ``media.frame_size``:
+        frames are resized to it first."""
         if mode not in ("streaming", "offline"):
             raise ValueError(f"mode must be 'streaming' or 'offline' (got {mode!r})")
         self.model = model
         self.processor = processor
         self.tok = processor.tokenizer
         self.mode = mode
-        self.max_slice_nums = 1 if mode == "streaming" else (max_slice_nums or processor.max_slice_nums)
+        self.media = media or MediaSetting()
+        default = STREAMING_MAX_SLICE_NUMS if mode == "streaming" else processor.max_slice_nums
+        self.max_slice_nums = int(max_slice_nums or self.media.max_slice_nums or default)
+        if self.max_slice_nums < 1:
+            raise ValueError(f"max_slice_nums must be >= 1 (got {self.max_slice_nums})")
         self.tts_template = tts_template
         self.kv_spec = model.kv_spec()
         t = self.tok.token_id
@@ -185,18 +195,27 @@ class MiniCPMOStreamAdapter(StreamAdapter):
             buf = np.concatenate([np.zeros(FIRST_CHUNK_PAD - len(buf), np.float32), buf])
         return buf
 
+    def stream_units(self, frame: bool = True, audio: bool = True) -> StreamUnits:
+        """The media unit this adapter builds for a frame of the setting's size (layout.stream_units)."""
+        from dataclasses import replace
+
+        p = self.processor
+        return stream_units(replace(self.media, max_slice_nums=self.max_slice_nums),
+                            query_num=self.model.config.query_num, audio_pool_step=self.model.config.audio_pool_step,
+                            scale_resolution=p.scale_resolution, frame=frame, audio=audio)
+
     def _frame_runs(self, frame: np.ndarray) -> list:
+        if self.media.frame_size is not None:
+            frame = np.asarray(Image.fromarray(frame).resize(self.media.frame_size, Image.Resampling.BICUBIC))
         image = self.processor.process_image(frame, self.max_slice_nums)
         feats = self.model.vision_embeddings(image.slices, image.tgt_sizes)  # [n, 64, H]
-        q = feats.shape[1]
-        sliced = len(image.slices) > 1
-        runs = [(SpanKind.BOUNDARY, [self.ids["image"]], None),
-                (SpanKind.IMAGE_SOURCE if sliced else SpanKind.IMAGE, [self.ids["unk"]] * q, feats[0]),
-                (SpanKind.BOUNDARY, [self.ids["image_end"]], None)]
-        for k in range(1, len(image.slices)):
-            runs += [(SpanKind.BOUNDARY, [self.ids["slice"]], None),
-                     (SpanKind.IMAGE_SLICE, [self.ids["unk"]] * q, feats[k]),
-                     (SpanKind.BOUNDARY, [self.ids["slice_end"]], None)]
+        runs, k = [], 0
+        for kind, marker, n in frame_runs(len(image.slices) - 1, feats.shape[1]):
+            if marker is not None:
+                runs.append((kind, [self.ids[marker]] * n, None))
+            else:
+                runs.append((kind, [self.ids["unk"]] * n, feats[k]))
+                k += 1
         return runs
 
     def _audio_tokens(self, audio: np.ndarray) -> mx.array | None:

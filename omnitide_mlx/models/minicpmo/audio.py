@@ -19,16 +19,6 @@ import numpy as np
 from .config import AudioConfig
 
 
-def conv_output_length(mel_frames: int) -> int:
-    """Encoder frames after conv2 (stride 2, padding 1)."""
-    return (mel_frames - 1) // 2 + 1
-
-
-def audio_token_count(mel_frames: int, pool_step: int = 5) -> int:
-    """LLM tokens for ``mel_frames`` mel frames (``_get_feat_extract_output_lengths``): 100 frames -> 10."""
-    return (conv_output_length(mel_frames) - pool_step) // pool_step + 1
-
-
 def chunk_visibility(size: int, chunk: int) -> np.ndarray:
     """``subsequent_chunk_mask``: [size, size] bool, query i sees keys [0, end of its own chunk)."""
     ends = np.minimum((np.arange(size) // chunk + 1) * chunk, size)

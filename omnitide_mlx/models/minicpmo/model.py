@@ -14,8 +14,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..base import KVSpec
-from .audio import AudioProjector, WhisperEncoder, WhisperStreamCache, audio_token_count, avg_pool, chunk_visibility, \
-    conv_output_length
+from .audio import AudioProjector, WhisperEncoder, WhisperStreamCache, avg_pool, chunk_visibility
+from .layout import audio_token_count, conv_output_length
 from .config import ModelConfig
 from .language import LanguageModel
 from .resampler import Resampler

@@ -28,6 +28,7 @@ from PIL import Image
 
 from ..audio_features import log_mel, power_mel
 from ..loading import CheckpointError
+from . import layout
 
 SAMPLE_RATE = 16000
 HOP = 160
@@ -98,10 +99,6 @@ class TextTokenizer:
 
 
 # --- images -------------------------------------------------------------------------------------------------------
-
-def ensure_divide(length: float, divisor: int) -> int:
-    return max(round(length / divisor) * divisor, divisor)
-
 
 @dataclass
 class ImageInputs:
@@ -259,37 +256,13 @@ class MiniCPMOProcessor:
 
     # --- images -------------------------------------------------------------------------------------------------
     def find_best_resize(self, size, allow_upscale: bool = False) -> tuple[int, int]:
-        w, h = size
-        if w * h > self.scale_resolution ** 2 or allow_upscale:
-            r = w / h
-            h = int(self.scale_resolution / math.sqrt(r))
-            w = int(h * r)
-        return ensure_divide(w, self.patch_size), ensure_divide(h, self.patch_size)
+        return layout.find_best_resize(size, self.scale_resolution, self.patch_size, allow_upscale)
 
     def get_refine_size(self, size, grid, allow_upscale: bool = False) -> tuple[int, int]:
-        w, h = size
-        cols, rows = grid
-        refine_w, refine_h = ensure_divide(w, cols), ensure_divide(h, rows)
-        best = self.find_best_resize((refine_w / cols, refine_h / rows), allow_upscale=allow_upscale)
-        return best[0] * cols, best[1] * rows
+        return layout.get_refine_size(size, grid, self.scale_resolution, self.patch_size, allow_upscale)
 
     def get_sliced_grid(self, size, max_slice_nums: int, never_split: bool = False) -> list[int] | None:
-        w, h = size
-        log_ratio = math.log(w / h)
-        multiple = min(math.ceil(w * h / self.scale_resolution ** 2), max_slice_nums)
-        if multiple <= 1 or never_split:
-            return None
-        candidates = []
-        for n in (multiple - 1, multiple, multiple + 1):
-            if n == 1 or n > max_slice_nums:
-                continue
-            candidates += [[m, n // m] for m in range(1, n + 1) if n % m == 0]
-        best, best_err = [1, 1], float("inf")
-        for g in candidates:
-            err = abs(log_ratio - math.log(g[0] / g[1]))
-            if err < best_err:
-                best, best_err = g, err
-        return best
+        return layout.get_sliced_grid(size, max_slice_nums, self.scale_resolution, never_split)
 
     def slice_image(self, image: Image.Image, max_slice_nums: int):
         """(source image, rows of slice images, grid)."""

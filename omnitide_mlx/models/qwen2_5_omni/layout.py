@@ -30,18 +30,81 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from ...core.stream_units import MediaSetting, StreamUnits
 from ...core.units import SpanKind, UnitKind
 from ...rope import RopeSpec
 from ..base import KVSpec, MediaError, PreparedUnit, StreamAdapter, spans_from_runs
-from .processor import DEFAULT_SYSTEM_PROMPT, check_audio, check_frame
+from .processor import DEFAULT_SYSTEM_PROMPT, VisionSettings, check_audio, check_frame, resize_bicubic, smart_resize
 from .rope_index import audio_in_video_positions, audio_token_count, text_positions, vision_positions
 
 FRAME_MIN_PIXELS = 4 * 28 * 28
 FRAME_MAX_PIXELS = 128 * 28 * 28  # the video processor's per-frame floor: 117 tokens for a 640x480 frame
+HOP_LENGTH = 160  # the audio processor's mel hop: 100 frames a second at 16 kHz
+
+
+def frame_grid(width: int, height: int, vision: VisionSettings | None = None, min_pixels: int = FRAME_MIN_PIXELS,
+               max_pixels: int = FRAME_MAX_PIXELS) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` patch grid of one frame of ``width x height`` (the processor's smart_resize; one temporal
+    grid: the frame is duplicated to the temporal patch)."""
+    vs = vision or VisionSettings()
+    h, w = smart_resize(height, width, vs.patch_size * vs.merge_size, min_pixels, max_pixels)
+    return 1, h // vs.patch_size, w // vs.patch_size
+
+
+def media_runs(start: int, grid, n_audio: int, *, merge: int = 2, position_id_per_seconds: int = 25,
+               seconds_per_chunk: int = 2) -> list[tuple[SpanKind, list[str], np.ndarray]]:
+    """The token runs of a media unit inside an open user turn, as ``(span kind, token names, positions [3, n])``.
+
+    The one place the layout is decided: the adapters map the names to ids, :func:`stream_units` hands the
+    kinds and positions to the simulator and the benchmarks."""
+    runs: list[tuple[SpanKind, list[str], np.ndarray]] = []
+    if grid is not None and n_audio:  # one grid of 1 s: the frame, then its audio in 2 s chunks
+        runs.append((SpanKind.BOUNDARY, ["<|vision_bos|>", "<|audio_bos|>"], text_positions(start, 1).repeat(2, 1)))
+        inner = audio_in_video_positions(start, grid, merge, 1.0, n_audio, position_id_per_seconds,
+                                         seconds_per_chunk)
+        for kind, p in inner:
+            video = kind == "video"
+            runs.append((SpanKind.IMAGE if video else SpanKind.AUDIO,
+                         ["<|VIDEO|>" if video else "<|AUDIO|>"] * p.shape[1], p))
+        eos = int(inner[-1][1].max()) + 1
+        runs.append((SpanKind.BOUNDARY, ["<|audio_eos|>", "<|vision_eos|>"], text_positions(eos, 1).repeat(2, 1)))
+    elif grid is not None:
+        runs.append((SpanKind.BOUNDARY, ["<|vision_bos|>"], text_positions(start, 1)))
+        p = vision_positions(start + 1, grid, merge, [0])
+        runs.append((SpanKind.IMAGE, ["<|VIDEO|>"] * p.shape[1], p))
+        runs.append((SpanKind.BOUNDARY, ["<|vision_eos|>"], text_positions(int(p.max()) + 1, 1)))
+    elif n_audio:
+        runs.append((SpanKind.BOUNDARY, ["<|audio_bos|>"], text_positions(start, 1)))
+        runs.append((SpanKind.AUDIO, ["<|AUDIO|>"] * n_audio, text_positions(start + 1, n_audio)))
+        runs.append((SpanKind.BOUNDARY, ["<|audio_eos|>"], text_positions(start + 1 + n_audio, 1)))
+    else:
+        raise MediaError("a media unit needs a frame, audio or both")
+    return runs
+
+
+def stream_units(setting: MediaSetting | None = None, *, vision: VisionSettings | None = None,
+                 position_id_per_seconds: int = 25, seconds_per_chunk: int = 2, sample_rate: int = 16000,
+                 frame: bool = True, audio: bool = True) -> StreamUnits:
+    """The media unit (a frame and ``setting.audio_seconds`` of audio in an open turn) the engine builds at
+    ``setting``; frame size: ``setting.sim_frame_size``. Defaults are the released 3B / 7B configs."""
+    setting = setting or MediaSetting()
+    vs = vision or VisionSettings()
+    grid = size = None
+    if frame:
+        size = setting.sim_frame_size
+        grid = frame_grid(size[0], size[1], vs, FRAME_MIN_PIXELS, setting.max_pixels or FRAME_MAX_PIXELS)
+    n_audio = audio_token_count(-(-int(round(setting.audio_seconds * sample_rate)) // HOP_LENGTH)) if audio else 0
+    runs = media_runs(0, grid, n_audio, merge=vs.merge_size, position_id_per_seconds=position_id_per_seconds,
+                      seconds_per_chunk=seconds_per_chunk)
+    detail = (("merged_grid", [grid[1] // vs.merge_size, grid[2] // vs.merge_size] if grid else None),
+              ("max_pixels", setting.max_pixels or FRAME_MAX_PIXELS))
+    return StreamUnits("qwen2_5_omni", setting, [(k, len(n)) for k, n, _ in runs],
+                       np.concatenate([p for _, _, p in runs], axis=1), frame_size=size, detail=detail)
 
 
 def kv_spec(config) -> KVSpec:
@@ -62,10 +125,14 @@ class QwenOmniLayout(StreamAdapter):
     sample_rate = 16000
 
     def __init__(self, model, processor, *, frame_min_pixels: int = FRAME_MIN_PIXELS,
-                 frame_max_pixels: int = FRAME_MAX_PIXELS, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
+                 frame_max_pixels: int | None = None, system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+                 media: MediaSetting | None = None):
         self.model = model
         self.processor = processor
         self.kv_spec = model.kv_spec()
+        self.media = media or MediaSetting()
+        if frame_max_pixels is None:
+            frame_max_pixels = self.media.max_pixels or FRAME_MAX_PIXELS
         self.frame_min_pixels, self.frame_max_pixels = frame_min_pixels, frame_max_pixels
         self.default_system_prompt = system_prompt
         ids = processor.token_ids
@@ -97,6 +164,21 @@ class QwenOmniLayout(StreamAdapter):
         """``embeds`` with rows ``slots`` replaced by ``feats`` (cast to the embeddings' dtype)."""
 
     # --- helpers --------------------------------------------------------------------------------------------
+    def stream_units(self, frame: bool = True, audio: bool = True) -> StreamUnits:
+        """The media unit this adapter builds for a frame of the setting's size (see :func:`stream_units`)."""
+        c = self.model.config
+        setting = replace(self.media, max_pixels=self.frame_max_pixels)
+        return stream_units(setting, vision=self.processor.vision, position_id_per_seconds=c.position_id_per_seconds,
+                            seconds_per_chunk=c.seconds_per_chunk, sample_rate=self.sample_rate, frame=frame,
+                            audio=audio)
+
+    def _sized(self, frame: np.ndarray) -> np.ndarray:
+        """The frame at the setting's frame size (Pillow bicubic), or as it came."""
+        if self.media.frame_size is None:
+            return frame
+        w, h = self.media.frame_size
+        return resize_bicubic(frame, h, w)
+
     def decode(self, ids) -> str:
         return self.processor.decode(ids, skip_special_tokens=True)
 
@@ -151,7 +233,7 @@ class QwenOmniLayout(StreamAdapter):
         vs = self.processor.vision
         rows = grid = mel = None
         if frame is not None:  # validate and preprocess everything before any model work
-            rows, grid = vs.image(check_frame(frame), self.frame_min_pixels, self.frame_max_pixels)
+            rows, grid = vs.image(self._sized(check_frame(frame)), self.frame_min_pixels, self.frame_max_pixels)
         if audio is not None:
             mel = self.processor.audio_features(check_audio(audio), self.sample_rate)
             if audio_token_count(mel.shape[1]) < 1:
@@ -169,28 +251,11 @@ class QwenOmniLayout(StreamAdapter):
             add(self.user_open, SpanKind.BOUNDARY, text_positions(cursor, len(self.user_open)))
             cursor += len(self.user_open)
         ids_, cfg = self.ids, self.model.config
-        merge = vs.merge_size
         n_audio = audio_token_count(mel.shape[1]) if mel is not None else 0
-        if rows is not None and mel is not None:  # one grid of 1 s: the frame, then its audio in 2 s chunks
-            bos_pair = text_positions(cursor, 1).repeat(2, 1)
-            add([ids_["<|vision_bos|>"], ids_["<|audio_bos|>"]], SpanKind.BOUNDARY, bos_pair)
-            runs = audio_in_video_positions(cursor, grid, merge, 1.0, n_audio, cfg.position_id_per_seconds,
-                                            cfg.seconds_per_chunk)
-            for kind, p in runs:
-                token = ids_["<|VIDEO|>"] if kind == "video" else ids_["<|AUDIO|>"]
-                add([token] * p.shape[1], SpanKind.IMAGE if kind == "video" else SpanKind.AUDIO, p)
-            eos = int(runs[-1][1].max()) + 1
-            add([ids_["<|audio_eos|>"], ids_["<|vision_eos|>"]], SpanKind.BOUNDARY,
-                text_positions(eos, 1).repeat(2, 1))
-        elif rows is not None:
-            add([ids_["<|vision_bos|>"]], SpanKind.BOUNDARY, text_positions(cursor, 1))
-            p = vision_positions(cursor + 1, grid, merge, [0])
-            add([ids_["<|VIDEO|>"]] * p.shape[1], SpanKind.IMAGE, p)
-            add([ids_["<|vision_eos|>"]], SpanKind.BOUNDARY, text_positions(int(p.max()) + 1, 1))
-        else:
-            add([ids_["<|audio_bos|>"]], SpanKind.BOUNDARY, text_positions(cursor, 1))
-            add([ids_["<|AUDIO|>"]] * n_audio, SpanKind.AUDIO, text_positions(cursor + 1, n_audio))
-            add([ids_["<|audio_eos|>"]], SpanKind.BOUNDARY, text_positions(cursor + 1 + n_audio, 1))
+        for kind, names, p in media_runs(cursor, grid, n_audio, merge=vs.merge_size,
+                                         position_id_per_seconds=cfg.position_id_per_seconds,
+                                         seconds_per_chunk=cfg.seconds_per_chunk):
+            add([ids_[n] for n in names], kind, p)
 
         input_ids = np.asarray(ids, dtype=np.int32)
         embeds = self.embed_tokens(input_ids)

@@ -1,0 +1,44 @@
+"""Profiles with their media unit, from the models' own layout code (numpy-only: no MLX, no weights).
+
+``resolve_profile("qwen2.5-omni-7b", "paper")`` is the profile the simulator, both benchmarks and the eval harness
+stream: ``core/profiles.py``'s shape and retention defaults with the :class:`~..core.stream_units.StreamUnits` that
+``models/<family>/layout.py`` computes for the setting (the same functions the engine's adapters assemble units
+with; tests/models/test_stream_units.py checks the equality on real frames).
+"""
+
+from __future__ import annotations
+
+from ..core.profiles import ModelProfile, ProfileError, get_profile
+from ..core.stream_units import MediaSetting, StreamUnits, get_preset
+
+
+def media_setting(setting: MediaSetting | str | None = None) -> MediaSetting:
+    if setting is None:
+        return get_preset("default")
+    if isinstance(setting, str):
+        return get_preset(setting)
+    return setting
+
+
+def stream_units(profile: ModelProfile | str, setting: MediaSetting | str | None = None) -> StreamUnits:
+    """The media unit ``profile``'s model builds at ``setting`` (a MediaSetting or a preset name)."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    setting = media_setting(setting)
+    if prof.family == "qwen2_5_omni":
+        from .qwen2_5_omni.layout import stream_units as qwen_units
+
+        return qwen_units(setting, **prof.layout_kw)
+    if prof.family == "minicpmo":
+        from .minicpmo.layout import stream_units as minicpmo_units
+
+        return minicpmo_units(setting, **prof.layout_kw)
+    raise ProfileError(f"{prof.name}: no unit layout for model family {prof.family!r}")
+
+
+def resolve_profile(profile: ModelProfile | str, setting: MediaSetting | str | None = None) -> ModelProfile:
+    """``profile`` (a name or a profile) carrying the media unit its model builds at ``setting``; a profile that
+    already carries its units keeps them when ``setting`` is None."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    if setting is None and prof.units is not None:
+        return prof
+    return prof.with_units(stream_units(prof, setting))

@@ -1,0 +1,63 @@
+"""What a server allows: addresses, origins, the token and the limits, each with the reason for its default."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Limits:
+    """Every bound a client can hit; each is reported with a specific error naming the limit."""
+
+    max_sessions: int = 4  # sessions share one model and one compute gate: more only queue behind each other
+    max_message_bytes: int = 8 << 20  # one WebSocket message or HTTP body (a 1080p raw RGB frame is 6.2 MB)
+    max_frame_pixels: int = 1920 * 1080  # checked from the image header, before decoding (no decompression bombs)
+    max_audio_seconds: float = 10.0  # audio in one message (a unit is one second)
+    max_queued: int = 8  # units and questions waiting per session: a client that outruns the model hears so
+    max_tokens: int = 2048  # the most tokens one answer may ask for
+    idle_timeout_s: float = 600.0  # a session without a WebSocket for this long is deleted
+
+
+@dataclass
+class ServeConfig:
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    token: str | None = None
+    allow_origins: list[str] = field(default_factory=list)  # extra origins allowed to call the API from a browser
+    allow_hosts: list[str] = field(default_factory=list)  # extra Host header names (besides loopback names)
+    session_dir: str | None = None  # where save / restore keep sessions (None: saving is off)
+    policy: str = "omnitide"
+    high: int | None = None
+    low: int | None = None
+    kv_budget: str | None = None
+    system_prompt: str | None = None
+    default_max_tokens: int = 256
+    limits: Limits = field(default_factory=Limits)
+
+    def check(self) -> None:
+        """Refuse a configuration that would expose a model unprotected, before anything is loaded."""
+        if not is_loopback(self.host) and not self.token:
+            raise ValueError(f"--host {self.host} is not a loopback address: anyone who can reach it could drive the "
+                             "model, so it needs --token (or set OMNITIDE_TOKEN)")
+        if self.token is not None and len(self.token) < 16:
+            raise ValueError("--token must be at least 16 characters (e.g. python -c 'import secrets; "
+                             "print(secrets.token_urlsafe())')")
+        for o in self.allow_origins:
+            if o == "*" or not o.startswith(("http://", "https://")) or o.endswith("/"):
+                raise ValueError(f"--allow-origin {o!r}: give a full origin such as https://app.example.com "
+                                 "(no '*', no trailing slash)")
+        lim = self.limits
+        for name in ("max_sessions", "max_message_bytes", "max_frame_pixels", "max_queued", "max_tokens"):
+            if getattr(lim, name) < 1:
+                raise ValueError(f"limit {name} must be at least 1")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

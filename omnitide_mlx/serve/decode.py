@@ -1,0 +1,216 @@
+"""Turning client bytes into session input: frames (JPEG / PNG / raw RGB), PCM audio and WebSocket messages.
+
+Everything here runs before a session is touched and raises ``ClientError`` with the limit or field at fault, so a
+bad message costs the client one error reply and the session nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import Limits
+
+
+class ClientError(Exception):
+    """A request the server refuses: ``code`` is stable for programs, ``message`` says what to change."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+    def payload(self) -> dict:
+        return {"error": {"message": self.message, "type": self.code, "code": self.code}}
+
+
+FRAME_FORMATS = ("jpeg", "png", "rgb", "rgba")
+AUDIO_FORMATS = {"pcm_s16le": np.dtype("<i2"), "pcm_f32le": np.dtype("<f4")}
+
+
+@dataclass
+class PushItem:
+    """One validated ``unit`` message: what ``OmniSession.push`` receives."""
+
+    seq: int | None
+    frame: np.ndarray | None = None
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
+    text: str | None = None
+    t: float | None = None
+
+
+def b64(data, what: str) -> bytes:
+    if not isinstance(data, str):
+        raise ClientError("bad_request", f"{what}.data must be a base64 string")
+    if data.startswith("data:"):  # a data URL: data:image/jpeg;base64,....
+        _, _, data = data.partition(",")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ClientError("bad_request", f"{what}.data is not valid base64") from None
+
+
+def decode_frame(fmt: str, data: bytes, limits: Limits, width: int | None = None,
+                 height: int | None = None) -> np.ndarray:
+    """An ``HxWx3`` uint8 RGB frame; the pixel count is checked from the header before any decoding."""
+    if fmt not in FRAME_FORMATS:
+        raise ClientError("bad_frame", f"frame format {fmt!r} is not one of {', '.join(FRAME_FORMATS)}")
+    if fmt in ("rgb", "rgba"):
+        ch = 3 if fmt == "rgb" else 4
+        if not isinstance(width, int) or not isinstance(height, int) or width < 2 or height < 2:
+            raise ClientError("bad_frame", f"a raw {fmt} frame needs integer width and height (at least 2)")
+        _check_pixels(width, height, limits)
+        if len(data) != width * height * ch:
+            raise ClientError("bad_frame", f"a {width}x{height} {fmt} frame is {width * height * ch} bytes, got "
+                                           f"{len(data)}")
+        return np.frombuffer(data, np.uint8).reshape(height, width, ch)[:, :, :3].copy()
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        _check_pixels(img.size[0], img.size[1], limits)
+        img.load()
+    except ClientError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ClientError("bad_frame", f"cannot decode the {fmt} frame: {e}") from None
+    if img.format and img.format.lower() not in ("jpeg", "png", "mpo"):
+        raise ClientError("bad_frame", f"the frame is {img.format}, not {fmt}")
+    arr = np.asarray(img.convert("RGB"))
+    if arr.shape[0] < 2 or arr.shape[1] < 2:
+        raise ClientError("bad_frame", f"the frame is {arr.shape[1]}x{arr.shape[0]} pixels: too small")
+    return arr
+
+
+def _check_pixels(width: int, height: int, limits: Limits) -> None:
+    if width * height > limits.max_frame_pixels:
+        raise ClientError("frame_too_large", f"the frame is {width}x{height} = {width * height} pixels; the limit "
+                                             f"is {limits.max_frame_pixels} (--max-frame-pixels)", 413)
+
+
+def decode_audio(fmt: str, data: bytes, sample_rate, limits: Limits, channels: int = 1) -> np.ndarray:
+    """Interleaved little-endian PCM -> ``[samples, channels]`` (mono ``[samples]``); rate and length checked,
+    values (NaN, clipping) left to the session's own validation."""
+    if fmt not in AUDIO_FORMATS:
+        raise ClientError("bad_audio", f"audio format {fmt!r} is not one of {', '.join(AUDIO_FORMATS)}")
+    if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or not 1000 <= sample_rate <= 384000:
+        raise ClientError("bad_audio", f"audio sample_rate {sample_rate!r} must be an integer from 1000 to 384000")
+    if not isinstance(channels, int) or not 1 <= channels <= 8:
+        raise ClientError("bad_audio", f"audio channels {channels!r} must be an integer from 1 to 8")
+    dtype = AUDIO_FORMATS[fmt]
+    frame_bytes = dtype.itemsize * channels
+    if not data or len(data) % frame_bytes:
+        raise ClientError("bad_audio", f"{len(data)} bytes of {fmt} audio is not a whole number of "
+                                       f"{channels}-channel samples")
+    n = len(data) // frame_bytes
+    if n / sample_rate > limits.max_audio_seconds:
+        raise ClientError("audio_too_long", f"{n / sample_rate:.1f} s of audio in one message; the limit is "
+                                            f"{limits.max_audio_seconds:g} s (send a unit a second)", 413)
+    a = np.frombuffer(data, dtype).reshape(n, channels)
+    return a[:, 0].copy() if channels == 1 else a.copy()
+
+
+def decode_audio_file(data: bytes, fmt: str, limits: Limits) -> tuple[np.ndarray, int]:
+    """An encoded clip (``wav``, ``mp3``, ``flac``, ``ogg``...: OpenAI's ``input_audio``) -> mono float32 and rate."""
+    fmt = (fmt or "wav").lower()
+    if not fmt.isalnum() or len(fmt) > 8:
+        raise ClientError("bad_audio", f"audio format {fmt!r} is not a file format name such as wav or mp3")
+    try:
+        if fmt in ("wav", "flac", "ogg"):
+            import soundfile as sf
+
+            a, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+            a = a.mean(axis=1)
+        else:
+            import av
+
+            with av.open(io.BytesIO(data), format=fmt) as container:
+                if not container.streams.audio:
+                    raise ClientError("bad_audio", f"the {fmt} clip has no audio stream")
+                sr = 16000
+                resampler = av.AudioResampler(format="flt", layout="mono", rate=sr)
+                parts = [r.to_ndarray().reshape(-1) for f in container.decode(container.streams.audio[0])
+                         for r in resampler.resample(f)]
+                a = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    except ClientError:
+        raise
+    except Exception as e:  # soundfile / FFmpeg errors have no common base class
+        raise ClientError("bad_audio", f"cannot decode the {fmt} audio: {e}") from None
+    if a.size == 0:
+        raise ClientError("bad_audio", f"the {fmt} clip holds no samples")
+    if a.size / sr > 600:
+        raise ClientError("audio_too_long", f"the clip is {a.size / sr:.0f} s; one request takes at most 600 s", 413)
+    return a.astype(np.float32), int(sr)
+
+
+def split_binary(message: bytes) -> tuple[dict, bytes]:
+    """A binary WebSocket message: a 4-byte big-endian header length, a UTF-8 JSON header, then the payload."""
+    if len(message) < 4:
+        raise ClientError("bad_request", "a binary message starts with a 4-byte big-endian header length")
+    (n,) = struct.unpack(">I", message[:4])
+    if n > len(message) - 4 or n > 65536:
+        raise ClientError("bad_request", f"binary message header length {n} exceeds the message")
+    try:
+        header = json.loads(message[4:4 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ClientError("bad_request", f"binary message header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ClientError("bad_request", "binary message header must be a JSON object")
+    return header, message[4 + n:]
+
+
+def pack_binary(header: dict, *payloads: bytes) -> bytes:
+    """The inverse of ``split_binary`` (for Python clients and tests)."""
+    h = json.dumps(header).encode()
+    return struct.pack(">I", len(h)) + h + b"".join(payloads)
+
+
+def unit_from_message(msg: dict, payload: bytes | None, limits: Limits) -> PushItem:
+    """A ``unit`` message -> PushItem. JSON messages carry base64 ``data``; binary ones carry ``bytes`` counts and
+    the frame's bytes then the audio's bytes in the payload."""
+    seq = msg.get("seq")
+    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
+        raise ClientError("bad_request", "seq must be an integer")
+    t = msg.get("t")
+    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0):
+        raise ClientError("bad_request", "t must be a non-negative number of seconds")
+    item = PushItem(seq=seq, t=float(t) if t is not None else None)
+    offset = 0
+
+    def take(part: dict, what: str) -> bytes:
+        nonlocal offset
+        if payload is None:
+            return b64(part.get("data"), what)
+        n = part.get("bytes")
+        if not isinstance(n, int) or n < 0 or offset + n > len(payload):
+            raise ClientError("bad_request", f"{what}.bytes must count the {what}'s bytes in the binary payload")
+        out = payload[offset:offset + n]
+        offset += n
+        return out
+
+    frame, audio, text = msg.get("frame"), msg.get("audio"), msg.get("text")
+    if frame is not None:
+        if not isinstance(frame, dict):
+            raise ClientError("bad_request", "frame must be an object {format, data | bytes[, width, height]}")
+        item.frame = decode_frame(str(frame.get("format", "jpeg")).lower(), take(frame, "frame"), limits,
+                                  frame.get("width"), frame.get("height"))
+    if audio is not None:
+        if not isinstance(audio, dict):
+            raise ClientError("bad_request", "audio must be an object {format, sample_rate, data | bytes}")
+        item.audio = decode_audio(str(audio.get("format", "pcm_s16le")).lower(), take(audio, "audio"),
+                                  audio.get("sample_rate"), limits, audio.get("channels", 1))
+        item.sample_rate = audio["sample_rate"]
+    if text is not None:
+        if not isinstance(text, str) or not text.strip():
+            raise ClientError("bad_request", "text must be a non-empty string")
+        item.text = text
+    if item.frame is None and item.audio is None and item.text is None:
+        raise ClientError("bad_request", "a unit needs a frame, audio or text")
+    return item

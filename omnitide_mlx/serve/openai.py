@@ -1,0 +1,236 @@
+"""``POST /v1/chat/completions``: OpenAI-compatible one-shot requests, as ``mlx_lm.server`` serves them.
+
+Each request gets its own short-lived session with the ``full`` policy (one request is one bounded context, so
+nothing needs evicting): the system messages become its system prompt, the media parts (``image_url`` as data
+URLs, ``input_audio``) and the earlier turns' text are pushed as units, and the last user message's text is the
+question. The server fetches nothing: remote image URLs are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..errors import MediaError
+from .decode import ClientError, b64, decode_audio_file, decode_frame
+from .sessions import SessionManager, sampling_from
+
+
+@dataclass
+class ChatRequest:
+    system: str | None
+    context: list = field(default_factory=list)  # ("frame", rgb) | ("audio", (samples, rate)) | ("text", str)
+    question: str = ""
+    sampling: dict = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _parts(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise ClientError("bad_request", f"{where}.content must be a string or a list of content parts")
+    for i, p in enumerate(content):
+        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+            raise ClientError("bad_request", f"{where}.content[{i}] must be an object with a type")
+    return content
+
+
+def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
+    """Validate and decode a request (media decoded here, off the event loop), before any session exists."""
+    cfg = manager.config
+    lim = cfg.limits
+    model = body.get("model")
+    if model not in (None, "", "default", cfg.model) and not cfg.model.rstrip("/").endswith("/" + str(model)):
+        raise ClientError("model_not_found", f"this server runs {cfg.model!r}, not {model!r} (see GET /v1/models)",
+                          404)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ClientError("bad_request", "messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise ClientError("bad_request", f"messages[{i}].role must be system, developer, user or assistant")
+    if messages[-1]["role"] != "user":
+        raise ClientError("bad_request", "the last message must be the user's question")
+    req = ChatRequest(system=None, stream=bool(body.get("stream", False)),
+                      sampling=sampling_from(body, cfg.default_max_tokens, lim.max_tokens, openai=True))
+    opts = body.get("stream_options") or {}
+    req.include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    system = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        parts = _parts(m.get("content"), where)
+        last = i == len(messages) - 1
+        texts = []
+        for j, p in enumerate(parts):
+            kind = p["type"]
+            if kind in ("text", "input_text"):
+                if not isinstance(p.get("text"), str):
+                    raise ClientError("bad_request", f"{where}.content[{j}].text must be a string")
+                texts.append(p["text"])
+            elif kind == "image_url":
+                if m["role"] != "user":
+                    raise ClientError("bad_request", f"{where}: only user messages may hold images")
+                url = p.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url.startswith("data:image/"):
+                    raise ClientError("bad_request", f"{where}.content[{j}]: images must be data URLs "
+                                                     "(data:image/jpeg;base64,...); the server fetches nothing")
+                fmt = url[len("data:image/"):].split(";", 1)[0].lower()
+                fmt = {"jpg": "jpeg"}.get(fmt, fmt)
+                req.context.append(("frame", decode_frame(fmt, b64(url, f"{where}.content[{j}].image_url"), lim)))
+            elif kind == "input_audio":
+                if m["role"] != "user":
+                    raise ClientError("bad_request", f"{where}: only user messages may hold audio")
+                a = p.get("input_audio")
+                if not isinstance(a, dict):
+                    raise ClientError("bad_request", f"{where}.content[{j}].input_audio must be {{data, format}}")
+                req.context.append(("audio", decode_audio_file(b64(a.get("data"), "input_audio"),
+                                                               str(a.get("format", "wav")), lim)))
+            else:
+                raise ClientError("bad_request", f"{where}.content[{j}]: content type {kind!r} is not supported "
+                                                 "(text, image_url, input_audio)")
+        text = "\n".join(t for t in texts if t.strip())
+        if m["role"] in ("system", "developer"):
+            if text:
+                system.append(text)
+        elif last:
+            if not text.strip():
+                raise ClientError("bad_request", "the last user message needs text: the question to answer")
+            req.question = text
+        elif text.strip():
+            req.context.append(("text", text if m["role"] == "user" else f"(assistant) {text}"))
+    req.system = "\n".join(system) or cfg.system_prompt
+    return req
+
+
+def _prepare(manager: SessionManager, req: ChatRequest):
+    """Worker thread: a fresh full-context session holding the request's media and earlier turns."""
+    from ..session import OmniSession
+
+    gate = manager.gate
+    with gate.step():
+        s = OmniSession((manager.model, manager.processor), policy="full", system_prompt=req.system)
+    try:
+        for kind, val in req.context:
+            with gate.step():
+                if kind == "frame":
+                    s.push(frame=val)
+                elif kind == "audio":
+                    s.push(audio=val[0], sample_rate=val[1])
+                else:
+                    s.push(text=val)
+        with gate.step():
+            s.flush()
+    except MediaError as e:
+        raise ClientError("bad_media", str(e)) from None
+    return s
+
+
+def _answer(manager: SessionManager, s, req: ChatRequest, emit, cancel: threading.Event) -> dict:
+    """Worker thread: the answer, one gated step per token, each piece handed to ``emit``."""
+    gate = manager.gate
+    before = s.counters.decoded_tokens
+    it = s.ask(req.question, **req.sampling)
+    try:
+        while not cancel.is_set():
+            with gate.step():
+                piece = next(it, None)
+            if piece is None:
+                break
+            emit(piece)
+    finally:
+        with gate.step():
+            it.close()
+    completion = s.counters.decoded_tokens - before
+    last = s.history[-1]
+    reply_tokens = last.length if last.kind.value == "reply" else 0
+    prompt = s.history.total_tokens - reply_tokens
+    finish = "length" if completion >= req.sampling["max_tokens"] else "stop"
+    return {"finish_reason": finish,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+
+async def chat_completions(manager: SessionManager, body: dict):
+    loop = asyncio.get_running_loop()
+    req = await loop.run_in_executor(manager.executor, parse_chat, body, manager)
+    manager.claim_oneshot()
+    try:
+        s = await loop.run_in_executor(manager.executor, _prepare, manager, req)
+    except BaseException:
+        manager.release_oneshot()
+        raise
+    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    model = manager.config.model
+    cancel = threading.Event()
+
+    if not req.stream:
+        pieces: list[str] = []
+        try:
+            result = await loop.run_in_executor(manager.executor, _answer, manager, s, req, pieces.append, cancel)
+        finally:
+            manager.release_oneshot()
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
+                         "finish_reason": result["finish_reason"]}],
+            "usage": result["usage"]})
+
+    queue: asyncio.Queue = asyncio.Queue()
+    state: dict = {"task": None}
+
+    def emit(piece: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+    def chunk(delta: dict, finish=None, usage=None) -> str:
+        d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if usage is not None:
+            d["usage"] = usage
+        return f"data: {json.dumps(d)}\n\n"
+
+    async def events():
+        task = state["task"] = loop.run_in_executor(manager.executor, _answer, manager, s, req, emit, cancel)
+        # the slot is given back when the worker has really stopped, however the response ended
+        task.add_done_callback(lambda _: manager.release_oneshot())
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            piece = await queue.get()
+            if piece is None:
+                break
+            yield chunk({"content": piece})
+        result = await task
+        yield chunk({}, result["finish_reason"], result["usage"] if req.include_usage else None)
+        yield "data: [DONE]\n\n"
+
+    def closed() -> None:
+        cancel.set()  # the client left (or the answer is done): the worker stops at its next token
+        if state["task"] is None:
+            manager.release_oneshot()  # the answer never started
+
+    return _EventStream(events(), closed)
+
+
+class _EventStream(StreamingResponse):
+    """Server-Sent Events whose ``on_close`` runs however the response ends (done, client gone, cancelled): a
+    generator's own ``finally`` cannot await anything once Starlette cancels it, and never runs if it never started."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
