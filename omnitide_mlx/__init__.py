@@ -16,6 +16,7 @@ _LAZY = {
     "SessionError": ("omnitide_mlx.errors", "SessionError"),
     "SessionBusyError": ("omnitide_mlx.errors", "SessionBusyError"),
     "InputTooLargeError": ("omnitide_mlx.errors", "InputTooLargeError"),
+    "RestoreError": ("omnitide_mlx.errors", "RestoreError"),
     "CheckpointError": ("omnitide_mlx.models.loading", "CheckpointError"),
     "OmniTide": ("omnitide_mlx.core.pick", "OmniTide"),
     "OmniPick": ("omnitide_mlx.core.pick", "OmniPick"),

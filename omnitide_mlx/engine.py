@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -38,11 +39,13 @@ from .core.page import MigrationPlanner
 from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
 from .core.sim import make_layout
 from .core.units import History, SpanKind, Unit, UnitKind
-from .errors import InputTooLargeError, MediaError, SessionBusyError, SessionError
+from .errors import InputTooLargeError, MediaError, RestoreError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
 
-SESSION_FORMAT = 1
+SESSION_FORMAT = 2  # 2: records the model's family and KV shape, and the names of the saved arrays
+READABLE_FORMATS = (1, 2)
+SESSION_FILES = ("session.json", "kv.safetensors", "session.safetensors")
 
 
 @dataclass
@@ -476,60 +479,102 @@ class StreamingSession:
     # --- persistence --------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write the whole state (KV, page table, units, positions, adapter protocol state, buffered input) to a
-        folder: safetensors for arrays, JSON for the rest."""
+        folder: safetensors for arrays, JSON for the rest. Atomic: everything is written to a temporary folder
+        next to ``path`` that then takes its place, so a crash or a full disk never leaves a half-written session
+        (an older save at ``path`` stays whole until the new one is complete)."""
         path = Path(path)
+        if path.exists() and (not path.is_dir() or set(p.name for p in path.iterdir()) - set(SESSION_FILES)):
+            raise SessionError(f"{path} exists and is not a saved session: choose a new folder (save replaces "
+                               "the folder as a whole)")
         with self._engine(settle=False):
             if self._open is not None and not self._open.abandoned:
                 raise SessionBusyError(f"cannot save to {path} while a reply is open: read it to the end or close() "
                                        "its iterator first")
             self._settle_locked()
-            path.mkdir(parents=True, exist_ok=True)
-            self.cache.save(path / "kv.safetensors")
-            meta_adapter, arrays = self.adapter.state()
-            arrays = dict(arrays)
-            if self._audio_buf.size:
-                arrays["session.audio_buf"] = self._audio_buf
-            if self._pending_frame is not None:
-                arrays["session.pending_frame"] = self._pending_frame
-            if self._last_logits is not None:
-                arrays["session.last_logits"] = self._last_logits
-            if arrays:
-                self._save_arrays(path / "session.safetensors", arrays)
-            meta = {
-                "format": SESSION_FORMAT,
-                "backend": self.backend,
-                "model_path": _model_ref(self.model_path) if self.model_path else None,
-                "system_prompt": self.system_prompt,
-                "policy": self.policy.config(),
-                "kv_budget": self.kv_budget,
-                "kv_dtype": str(self.kv_dtype).split(".")[-1],
-                "history": self.history.to_json(),
-                "adapter": meta_adapter,
-                "counters": asdict(self.counters),
-                "records": [asdict(r) for r in self.records],
-                "stream": {"seconds": self._seconds, "audio_driven": self._audio_driven,
-                           "pending_t": self._pending_t},
-            }
-            with open(path / "session.json", "w", encoding="utf-8") as f:
-                json.dump(meta, f)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f".{path.name}.saving-{os.getpid()}-{threading.get_ident()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            try:
+                self._write(tmp)
+                _replace_dir(tmp, path)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
         return path
+
+    def _write(self, path: Path) -> None:
+        self.cache.save(path / "kv.safetensors")
+        meta_adapter, arrays = self.adapter.state()
+        arrays = dict(arrays)
+        if self._audio_buf.size:
+            arrays["session.audio_buf"] = self._audio_buf
+        if self._pending_frame is not None:
+            arrays["session.pending_frame"] = self._pending_frame
+        if self._last_logits is not None:
+            arrays["session.last_logits"] = self._last_logits
+        if arrays:
+            self._save_arrays(path / "session.safetensors", arrays)
+        spec = self.adapter.kv_spec
+        meta = {
+            "format": SESSION_FORMAT,
+            "backend": self.backend,
+            "model_path": _model_ref(self.model_path) if self.model_path else None,
+            "model": {"family": model_family(self.model), "num_layers": spec.num_layers, "kv_heads": spec.kv_heads,
+                      "head_dim": spec.head_dim, "position_axes": spec.position_axes},
+            "system_prompt": self.system_prompt,
+            "policy": self.policy.config(),
+            "kv_budget": self.kv_budget,
+            "kv_dtype": str(self.kv_dtype).split(".")[-1],
+            "history": self.history.to_json(),
+            "adapter": meta_adapter,
+            "arrays": sorted(arrays),
+            "counters": asdict(self.counters),
+            "records": [asdict(r) for r in self.records],
+            "stream": {"seconds": self._seconds, "audio_driven": self._audio_driven,
+                       "pending_t": self._pending_t},
+        }
+        with open(path / "session.json", "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    @classmethod
+    def read_meta(cls, path: str | os.PathLike) -> dict:
+        """The JSON side of a saved session, checked (format version, required keys); RestoreError otherwise."""
+        path = Path(path)
+        file = path / "session.json"
+        if not file.is_file():
+            raise RestoreError(f"{path} holds no saved session ({file.name} missing)")
+        try:
+            with open(file, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RestoreError(f"{file} is not valid JSON (truncated or corrupted?): {e}") from None
+        if not isinstance(meta, dict):
+            raise RestoreError(f"{file} does not hold a saved session")
+        if meta.get("format") not in READABLE_FORMATS:
+            raise RestoreError(f"{file}: session format {meta.get('format')!r}; this version reads "
+                               f"{', '.join(map(str, READABLE_FORMATS))} (saved by another omnitide-mlx version?)")
+        missing = [k for k in ("kv_dtype", "policy", "history", "counters") if k not in meta]
+        if missing:
+            raise RestoreError(f"{file} is incomplete: missing {', '.join(missing)}")
+        return meta
 
     @classmethod
     def restore(cls, path: str | os.PathLike, model=None, processor=None,
                 on_update: Callable[[UpdateRecord], None] | None = None):
-        """Load a session written by ``save``. ``model`` defaults to the path the session was created from."""
+        """Load a session written by ``save``. ``model`` defaults to the model the session was created from (its
+        absolute path, or Hub id). Every problem with the saved files raises RestoreError naming the file; a
+        model of another family or shape than the saved one raises it too, before any state is built."""
         path = Path(path)
-        try:
-            with open(path / "session.json", encoding="utf-8") as f:
-                meta = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path} holds no saved session (session.json missing)") from None
-        if meta.get("format") != SESSION_FORMAT:
-            raise ValueError(f"{path}: unsupported session format {meta.get('format')}")
+        meta = cls.read_meta(path)
+        file = path / "session.json"
         self = cls.__new__(cls)
         if model is None:
             if not meta.get("model_path"):
-                raise ValueError("the saved session does not record its model; pass model=")
+                raise RestoreError(f"{file} does not record its model; pass model=")
             model = meta["model_path"]
         self.model_path = _model_ref(model) if isinstance(model, (str, os.PathLike)) else meta.get("model_path")
         if isinstance(model, (str, os.PathLike)):
@@ -538,32 +583,63 @@ class StreamingSession:
             model, processor = model
         self.model, self.processor = model, processor
         self.adapter = model.stream_adapter(processor)
-        self.kv_dtype = self._dtype_from_name(meta["kv_dtype"])
-        cfg = dict(meta["policy"])
-        self.policy = make_policy(cfg.pop("name"), **cfg)
+        _check_model(file, meta.get("model"), model, self.adapter.kv_spec)
+        try:
+            self.kv_dtype = self._dtype_from_name(meta["kv_dtype"])
+            cfg = dict(meta["policy"])
+            self.policy = make_policy(cfg.pop("name"), **cfg)
+            self.history = History.from_json(meta["history"])
+            self.counters = SessionCounters(**meta["counters"])
+            self.records = [UpdateRecord(**r) for r in meta.get("records", [])]
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"{file} is malformed: {type(e).__name__}: {e}") from e
         self.system_prompt = meta.get("system_prompt")
         self.on_update = on_update
-        self.cache = self._load_cache(path / "kv.safetensors")
+        kv_file = path / "kv.safetensors"
+        if not kv_file.is_file():
+            raise RestoreError(f"{kv_file} is missing: the saved session has no KV cache")
+        try:
+            self.cache = self._load_cache(kv_file)
+        except Exception as e:  # safetensors, MLX and CacheError all say it differently
+            raise RestoreError(f"{kv_file} cannot be read (truncated or corrupted?): {e}") from e
+        spec = self.adapter.kv_spec
+        if (self.cache.num_layers, self.cache.kv_heads, self.cache.head_dim) != (spec.num_layers, spec.kv_heads,
+                                                                               spec.head_dim):
+            raise RestoreError(f"{kv_file} holds a KV cache of {self.cache.num_layers} layers x {self.cache.kv_heads} "
+                               f"heads x {self.cache.head_dim}; the model needs {spec.num_layers} x {spec.kv_heads} x "
+                               f"{spec.head_dim}: restore it with the model it was saved with")
+        try:
+            self.cache.page_table.check_history(self.history)
+        except ValueError as e:
+            raise RestoreError(f"{kv_file} and {file} disagree (files from different saves?): {e}") from e
         self.kv_budget = meta.get("kv_budget")
         self._apply_budget()
         _, self.planner = make_layout(self.policy.layout, self.cache.page_table.page_size,
                                       self.cache.page_table.subblock_size)
-        self.history = History.from_json(meta["history"])
-        self.cache.page_table.check_history(self.history)
-        self.counters = SessionCounters(**meta["counters"])
-        self.records = [UpdateRecord(**r) for r in meta.get("records", [])]
         self._init_stream_state()
-        arrays = self._load_arrays(path / "session.safetensors") if (path / "session.safetensors").exists() else {}
-        if "session.audio_buf" in arrays:
-            self._audio_buf = np.asarray(arrays.pop("session.audio_buf"), dtype=np.float32)
-        if "session.pending_frame" in arrays:
-            self._pending_frame = np.asarray(arrays.pop("session.pending_frame"), dtype=np.uint8)
-        self._last_logits = arrays.pop("session.last_logits", None)
-        stream = meta.get("stream", {})
-        self._seconds = float(stream.get("seconds", 0.0))
-        self._audio_driven = bool(stream.get("audio_driven", False))
-        self._pending_t = stream.get("pending_t")
-        self.adapter.load_state(meta.get("adapter", {}), arrays)
+        arrays_file = path / "session.safetensors"
+        want = set(meta.get("arrays", []))
+        try:
+            arrays = self._load_arrays(arrays_file) if arrays_file.exists() else {}
+        except Exception as e:
+            raise RestoreError(f"{arrays_file} cannot be read (truncated or corrupted?): {e}") from e
+        if want - set(arrays):
+            what = "is missing" if not arrays_file.exists() else f"lacks {', '.join(sorted(want - set(arrays)))}"
+            raise RestoreError(f"{arrays_file} {what}: the saved session is incomplete")
+        try:
+            if "session.audio_buf" in arrays:
+                self._audio_buf = np.asarray(arrays.pop("session.audio_buf"), dtype=np.float32)
+            if "session.pending_frame" in arrays:
+                self._pending_frame = np.asarray(arrays.pop("session.pending_frame"), dtype=np.uint8)
+            self._last_logits = arrays.pop("session.last_logits", None)
+            stream = meta.get("stream", {})
+            self._seconds = float(stream.get("seconds", 0.0))
+            self._audio_driven = bool(stream.get("audio_driven", False))
+            self._pending_t = stream.get("pending_t")
+            self.adapter.load_state(meta.get("adapter", {}), arrays)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"{arrays_file} or the adapter state in {file} is malformed: "
+                               f"{type(e).__name__}: {e}") from e
         return self
 
     def _dtype_from_name(self, name: str):
@@ -898,6 +974,46 @@ class StreamingSession:
         if cut is not None:
             text = text[:cut]
         return self._emit(r, text)
+
+
+def model_family(model) -> str:
+    """A model's family for saved sessions: its port's package (``qwen2_5_omni``, ``minicpmo``, ...), the same for
+    the MLX and the torch port of one model, else its class name."""
+    parts = type(model).__module__.split(".")
+    for anchor in ("models", "torch"):
+        if anchor in parts[:-1]:
+            return parts[parts.index(anchor) + 1]
+    return type(model).__name__
+
+
+def _check_model(file: Path, saved: dict | None, model, spec) -> None:
+    if not saved:  # format 1 recorded neither; the KV cache's shape is still checked
+        return
+    family = model_family(model)
+    if saved.get("family") != family:
+        raise RestoreError(f"{file} was saved from a {saved.get('family')} model; this one is {family}: restore it "
+                           "with the model it was saved with")
+    got = {"num_layers": spec.num_layers, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+           "position_axes": spec.position_axes}
+    diff = {k: (saved.get(k), v) for k, v in got.items() if saved.get(k) != v}
+    if diff:
+        raise RestoreError(f"{file} was saved from another {family} size (saved vs this model: "
+                           + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items()) + ")")
+
+
+def _replace_dir(new: Path, path: Path) -> None:
+    """Put the folder ``new`` at ``path``: a rename; an older folder there is moved aside first and removed after."""
+    if not path.exists():
+        os.replace(new, path)
+        return
+    old = path.parent / f".{path.name}.old-{os.getpid()}-{threading.get_ident()}"
+    os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except OSError:
+        os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _model_ref(model) -> str:

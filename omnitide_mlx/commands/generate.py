@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 import time
 
-from .stream import add_kv_arguments, add_model_arguments, add_sampling_arguments, sampling_kwargs, session_from_args
+from .options import (add_kv_arguments, add_model_arguments, add_progress_argument, add_sampling_arguments,
+                      sampling_kwargs)
+from .stream import check_model, session_from_args
 
 HELP = "answer one prompt about optional images, audio or a video (like mlx_lm.generate)"
 DESCRIPTION = """Answer one prompt, optionally about images, an audio file or a video, and print the answer as it
-streams, with prompt / generation speed and peak memory (as mlx_lm.generate does).
+streams (stdout), with prompt / generation speed and peak memory (stderr, as mlx_lm.generate does).
 
 examples:
   omnitide generate --model Qwen/Qwen2.5-Omni-3B --image photo.jpg --prompt "What is in this picture?"
@@ -25,6 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--video", default=None, help="video file (a frame a second with its audio)")
     add_kv_arguments(p)
     add_sampling_arguments(p)
+    add_progress_argument(p)
     p.add_argument("--verbose", action="store_true", help="print per-unit details")
 
 
@@ -32,21 +35,29 @@ def run(args) -> int:
     import mlx.core as mx
 
     from ..errors import MediaError
-    from ..media import iter_chunks
+    from ..media import MediaStream
     from ..models.loading import CheckpointError
 
+    if not args.prompt.strip():
+        print("omnitide generate: --prompt is empty", file=sys.stderr)
+        return 2
     try:
-        images = []
-        for path in args.image:
-            images.append(_read_image(path))
-        chunks = list(iter_chunks(args.video, args.audio)) if (args.video or args.audio) else []
+        check_model(args)
+        images = [_read_image(path) for path in args.image]
+        media = MediaStream(args.video, args.audio) if (args.video or args.audio) else None
         args.policy, args.high, args.low, args.kv_budget = "full", None, None, None
         session = session_from_args(args)
         t0 = time.perf_counter()
         for img in images:
             session.push(frame=img)
-        for chunk in chunks:
-            session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+        if media is not None:
+            from tqdm import tqdm
+
+            with tqdm(total=media.units, unit="s", desc="reading media", file=sys.stderr, leave=False,
+                      disable=args.no_progress or media.units < 2 or not sys.stderr.isatty()) as bar:
+                for chunk in media:
+                    session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                    bar.update(1)
         session.flush()
     except (MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide generate: {e}", file=sys.stderr)
@@ -55,17 +66,17 @@ def run(args) -> int:
     tokens_before = session.history.total_tokens
     t1 = time.perf_counter()
     first = None
-    n_pieces = 0
     for piece in session.ask(args.prompt, **sampling_kwargs(args)):
         if first is None:
             first = time.perf_counter()
-        n_pieces += 1
         print(piece, end="", flush=True)
-    print()
+    print(flush=True)
     s = session.stats()
     prompt_tokens = session.history.total_tokens - tokens_before
     print("=" * 10, file=sys.stderr)
-    print(f"Media: {tokens_before} tokens (system prompt included) in {media_s:.2f} s", file=sys.stderr)
+    if media is not None:
+        print(f"Media: {media.summary()}", file=sys.stderr)
+    print(f"Prompt: {tokens_before} tokens of media and system prompt in {media_s:.2f} s", file=sys.stderr)
     if first is not None:
         print(f"Time to first piece: {first - t1:.3f} s", file=sys.stderr)
     print(f"Generation: {s['timings']['decode_tokens_per_s']:.1f} tokens-per-sec; answer and question "
@@ -81,7 +92,7 @@ def _read_image(path: str):
 
     from ..errors import MediaError
 
-    p = Path(path)
+    p = Path(path).expanduser()
     if not p.is_file():
         raise MediaError(f"image {p} does not exist")
     bgr = cv2.imread(str(p), cv2.IMREAD_COLOR)

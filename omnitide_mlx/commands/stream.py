@@ -4,65 +4,32 @@ times, and report what the KV cache did."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import re
+import os
 import sys
 import time
 from pathlib import Path
+
+# the shared flags live in options.py; re-exported here for callers that import them from this module
+from .options import (POLICIES, UsageError, add_model_arguments, add_policy_arguments,  # noqa: F401
+                      add_progress_argument, add_sampling_arguments, check_output_dir, check_output_file,
+                      parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
+from .options import add_kv_arguments, kv_kwargs
 
 HELP = "stream a video/audio file through a model, asking questions at given times"
 DESCRIPTION = """Stream a file through an omni model one unit (a frame plus a second of audio) at a time, ask each
 question when the stream reaches its time, print the answers as they stream and a KV summary.
 
+Answers go to stdout; progress, --stats lines and the summary go to stderr (a question's stats print before its
+answer). Every flag and output path is checked before the model loads.
+
 examples:
   omnitide stream --model Qwen/Qwen2.5-Omni-3B --video clip.mp4 --ask "5:What colour is the background?"
   omnitide stream --model ./checkpoints/tiny-minicpmo --video clip.mp4 --policy fifo --kv-budget 64MiB \\
-      --ask "3:What did you hear?" --stats --json out.json
+      --ask "0:03:What did you hear?" --stats --json out.json
   omnitide stream --backend torch --device cuda --model Qwen/Qwen2.5-Omni-3B --video clip.mp4 --ask "5:What is it?"
 """
-
-POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    """Sampling flags named as ``mlx_lm.generate`` names them."""
-    p.add_argument("--max-tokens", "-m", type=int, default=128, help="most tokens per answer (default 128)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold (0: off)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local model folder or Hugging Face id (from the local cache)")
-    p.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
-
-
-def add_policy_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", choices=POLICIES, default="omnitide",
-                   help="KV retention: omnitide (OmniPick + OmniPage, default), omnipick (native layout), full "
-                        "(no eviction), fifo (oldest units), token (oldest tokens), streamingllm, h2o, eager")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--high", type=int, default=None, help="high watermark in tokens (default 2500)")
-    g.add_argument("--kv-budget", default=None, help="KV memory budget, e.g. 512MiB; sets the watermarks from "
-                                                      "the model's KV bytes per token")
-    p.add_argument("--low", type=int, default=None, help="low watermark in tokens (default 1800)")
-
-
-def add_kv_arguments(p: argparse.ArgumentParser) -> None:
-    """Quantised KV flags, named as mlx-lm names them (``--kv-bits``, ``--kv-group-size``)."""
-    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
-                   help="hold the KV cache quantised to 8 or 4 bits (default: the model's float dtype)")
-    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
-                   help="quantisation group size along the head dimension (default 64)")
-    p.add_argument("--kv-keep-sinks-full", action="store_true",
-                   help="with --kv-bits: keep the system prefix (the attention sinks) in full precision")
-
-
-def kv_kwargs(args) -> dict:
-    return dict(kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64),
-                kv_keep_sinks_full=getattr(args, "kv_keep_sinks_full", False))
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,41 +45,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--video", default=None, help="video file (its audio track is used unless --audio is given)")
     p.add_argument("--audio", default=None, help="audio file (wav/flac/ogg/mp3/m4a/...)")
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
-                   help="a question asked when the stream reaches T seconds, e.g. '12:What colour is the square?' "
-                        "(repeatable)")
-    p.add_argument("--seconds", type=float, default=None, help="stream at most this many seconds")
+                   help="a question asked when the stream reaches T (seconds, or m:ss / h:mm:ss), e.g. "
+                        "'12:What colour is the square?' or '1:05:What did she say?' (repeatable)")
+    p.add_argument("--seconds", type=positive_float, default=None, help="stream at most this many seconds")
     p.add_argument("--realtime", action="store_true", help="pace the stream at one unit per wall-clock second")
     add_policy_arguments(p)
     add_kv_arguments(p)
     add_sampling_arguments(p)
-    p.add_argument("--stats", action="store_true", help="print one line per streaming update")
+    p.add_argument("--stats", action="store_true", help="print one line per streaming update (to stderr)")
     p.add_argument("--json", default=None, metavar="PATH", help="write answers and per-update KV figures as JSON")
     p.add_argument("--save-session", default=None, metavar="DIR", help="save the session state at the end")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_argument(p, legacy_quiet=True)
 
 
-def parse_questions(items: list[str]) -> list[tuple[float, str]]:
-    out = []
-    for item in items:
-        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*:(.+)$", item, re.S)
-        if not m or not m.group(2).strip():
-            raise SystemExit(f"omnitide stream: --ask {item!r} is not T:QUESTION (T in seconds, e.g. '12:What is "
-                             "on the screen?')")
-        out.append((float(m.group(1)), m.group(2).strip()))
-    return sorted(out, key=lambda q: q[0])
+def check_args(args) -> None:
+    """Every check that needs no model and no decoding: flags, their combinations, output paths, the device
+    flag. Raises UsageError."""
+    args.high, args.low = resolve_watermarks(args)
+    if getattr(args, "backend", "mlx") != "torch" and getattr(args, "device", None):
+        raise UsageError("--device applies to --backend torch (MLX picks its own device)")
+    check_output_file(getattr(args, "json", None), "--json")
+    check_output_dir(getattr(args, "save_session", None), "--save-session")
+    kv_kwargs(args)
+
+
+def check_model(args) -> None:
+    """The model path resolves (a folder with config.json, or a cached Hub id) before any media is decoded."""
+    if getattr(args, "backend", "mlx") == "torch":
+        return  # models.loading imports MLX; the torch loader checks its own path
+    from ..models.loading import resolve_model_path
+
+    resolve_model_path(args.model)
+
+
+@contextlib.contextmanager
+def announce(what: str):
+    """``what ...`` then `` done in X s`` on one stderr line; on failure the line is closed first, so the error
+    message starts a line of its own."""
+    t0 = time.perf_counter()
+    print(f"{what} ...", file=sys.stderr, end="", flush=True)
+    try:
+        yield
+    except BaseException:
+        print(" failed", file=sys.stderr, flush=True)
+        raise
+    print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def session_from_args(args, on_update=None):
     """Load the model and build an OmniSession (``--backend mlx``) or a TorchSession (``--backend torch``) from the
-    shared model / policy flags."""
+    shared model / policy flags (already checked by ``check_args``)."""
     backend = getattr(args, "backend", "mlx")
     kv = kv_kwargs(args)
-    if kv["kv_keep_sinks_full"] and kv["kv_bits"] is None:
-        raise ValueError("--kv-keep-sinks-full goes with --kv-bits")
     if backend == "torch":
-        if kv["kv_bits"] is not None:
-            raise ValueError("--kv-bits: the torch backend holds float K/V only (docs/torch.md)")
-        kv = {}
         try:
             import torch
 
@@ -130,69 +115,108 @@ def session_from_args(args, on_update=None):
         from ..session import OmniSession as session_class
 
         load_kw = {}
-    t0 = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr, end="", flush=True)
-    model, processor = load(args.model, **load_kw)
-    print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    with announce(f"loading {args.model}"):
+        model, processor = load(args.model, **load_kw)
     session = session_class((model, processor), system_prompt=args.system_prompt, policy=args.policy,
                             high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update, **kv)
-    session.model_path = args.model
+    session.model_path = _saved_model_path(args.model)
     return session
 
 
-def sampling_kwargs(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
-                seed=args.seed)
+def _saved_model_path(model: str) -> str:
+    """A local folder as an absolute path (a saved session is restored from anywhere), a Hub id as it is."""
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.is_dir() else str(model)
 
 
-def format_update(rec) -> str:
-    t = f"{rec.t:7.1f}s" if rec.t is not None else "      -"
-    extra = ""
-    if rec.evicted_tokens:
-        extra += f"  evicted {rec.evicted_tokens}"
-    if rec.migrated_cells:
-        extra += f"  moved {rec.migrated_cells}"
-    return (f"[{t}] {rec.kind:<6} +{rec.tokens:<5d} retained {rec.retained_cells:<6d} span {rec.physical_span:<6d} "
-            f"pages {rec.active_pages:<4d} kv {rec.kv_bytes / 2**20:8.2f} MiB  update {rec.update_ms:8.1f} ms{extra}")
+def update_columns(bytes_per_token: int) -> tuple[str, callable]:
+    """The ``--stats`` header and a formatter: retained KV is what the kept tokens take, capacity what the cache
+    has allocated (pages reserved for the next units included)."""
+    header = (f"{'t':>8}  {'update':<6} {'+tokens':>7} {'retained':>8} {'retained MiB':>12} {'capacity MiB':>12} "
+              f"{'span':>6} {'pages':>5} {'ms':>8}  events")
+
+    def fmt(rec) -> str:
+        t = f"{rec.t:7.1f}s" if rec.t is not None else "       -"
+        extra = ""
+        if rec.evicted_tokens:
+            extra += f"evicted {rec.evicted_tokens} "
+        if rec.migrated_cells:
+            extra += f"moved {rec.migrated_cells}"
+        return (f"{t}  {rec.kind:<6} {rec.tokens:>7d} {rec.retained_cells:>8d} "
+                f"{rec.retained_cells * bytes_per_token / 2**20:>12.2f} {rec.kv_bytes / 2**20:>12.2f} "
+                f"{rec.physical_span:>6d} {rec.active_pages:>5d} {rec.update_ms:>8.1f}  {extra}".rstrip())
+
+    return header, fmt
+
+
+def format_update(rec, bytes_per_token: int = 0) -> str:
+    return update_columns(bytes_per_token)[1](rec)
+
+
+def kv_summary(s: dict) -> str:
+    retained = s["retained_cells"] * s["kv_bytes_per_token"]
+    return (f"KV: {s['retained_cells']} tokens retained ({retained / 2**20:.2f} MiB) in a span of "
+            f"{s['physical_span']} slots, {s['active_pages']} active pages; capacity {s['kv_bytes'] / 2**20:.2f} MiB "
+            f"allocated; {s['units']} units, {s['evictions']} evictions ({s['evicted_tokens']} tokens), "
+            f"{s['migrations']} migrations ({s['migrated_cells']} cells); policy {s['policy']} (high {s['high']}, "
+            f"low {s['low']})")
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write then rename: a crash never leaves half a file where results were."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def run(args) -> int:
     from ..errors import MediaError
-    from ..media import iter_chunks, probe_video, read_audio
+    from ..media import MediaStream
     from ..models.loading import CheckpointError
 
     if args.video is None and args.audio is None:
         print("omnitide stream: give --video and/or --audio", file=sys.stderr)
         return 2
-    questions = parse_questions(args.ask)
     try:
-        # check the inputs before loading a model: a bad file fails fast
-        if args.video is not None:
-            probe_video(args.video)
-        if args.audio is not None:
-            read_audio(args.audio)
-        updates: list[dict] = []
-        progress = None
+        questions = parse_questions(args.ask)
+        check_args(args)
+    except UsageError as e:
+        print(f"omnitide stream: {e}", file=sys.stderr)
+        return 2
+    updates: list[dict] = []
+    progress = None
+    columns = None
 
-        def on_update(rec):
-            updates.append({"t": rec.t, "kind": rec.kind, "tokens": rec.tokens, "retained_cells": rec.retained_cells,
-                            "physical_span": rec.physical_span, "active_pages": rec.active_pages,
-                            "kv_bytes": rec.kv_bytes, "update_ms": round(rec.update_ms, 3),
-                            "evicted_tokens": rec.evicted_tokens, "migrated_cells": rec.migrated_cells})
-            if args.stats:
-                line = format_update(rec)
-                (progress.write(line) if progress is not None else print(line))
+    def on_update(rec):
+        updates.append({"t": rec.t, "kind": rec.kind, "tokens": rec.tokens, "retained_cells": rec.retained_cells,
+                        "retained_kv_bytes": rec.retained_cells * bytes_per_token,
+                        "physical_span": rec.physical_span, "active_pages": rec.active_pages,
+                        "kv_bytes": rec.kv_bytes, "update_ms": round(rec.update_ms, 3),
+                        "evicted_tokens": rec.evicted_tokens, "migrated_cells": rec.migrated_cells})
+        if args.stats:
+            line = columns[1](rec)
+            (progress.write(line, file=sys.stderr) if progress is not None else print(line, file=sys.stderr))
 
+    bytes_per_token = 0
+    try:
+        check_model(args)  # a wrong model name fails before any media is decoded
+        media = MediaStream(args.video, args.audio, seconds=args.seconds)  # both files checked, nothing decoded
         session = session_from_args(args, on_update=on_update)
-        chunks = list(iter_chunks(args.video, args.audio, seconds=args.seconds))
     except (MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide stream: {e}", file=sys.stderr)
         return 1
+    bytes_per_token = session.stats()["kv_bytes_per_token"]
+    columns = update_columns(bytes_per_token)
+    if args.stats:
+        print(columns[0], file=sys.stderr)
 
     from tqdm import tqdm
 
-    progress = tqdm(total=len(chunks), unit="s", desc="streaming", file=sys.stderr,
-                    disable=args.quiet or len(chunks) < 2 or not sys.stderr.isatty())
+    tqdm.monitor_interval = 0  # no background refresh: it would redraw the bar over an answer being printed
+    progress = tqdm(total=media.units, unit="s", desc="streaming", file=sys.stderr, leave=False,
+                    disable=args.no_progress or media.units < 2 or not sys.stderr.isatty())
     answers = []
     pending = list(questions)
     wall0 = time.perf_counter()
@@ -201,40 +225,59 @@ def run(args) -> int:
         while pending and pending[0][0] <= now:
             t, q = pending.pop(0)
             progress.clear()
-            print(f"\n[{t:g}s] Q: {q}\nA: ", end="", flush=True)
-            pieces = []
-            for piece in session.ask(q, **sampling_kwargs(args)):
-                pieces.append(piece)
+            print(f"\n[{t:g}s] Q: {q}", flush=True)
+            pieces = iter(session.ask(q, **sampling_kwargs(args)))
+            first = next(pieces, "")  # the question's update (and its --stats line) happens here, before "A:"
+            sys.stderr.flush()
+            print(f"A: {first}", end="", flush=True)
+            answer = [first]
+            for piece in pieces:
+                answer.append(piece)
                 print(piece, end="", flush=True)
             print(flush=True)
-            answers.append({"t": t, "question": q, "answer": "".join(pieces)})
+            answers.append({"t": t, "question": q, "answer": "".join(answer)})
 
+    streamed = 0
+    error = None
     try:
         ask_due(0.0)
-        for chunk in chunks:
+        for chunk in media:
             if args.realtime:
                 time.sleep(max(0.0, wall0 + chunk.t - time.perf_counter()))
             try:
                 session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                streamed += 1
             except MediaError as e:  # a bad chunk is skipped, the stream goes on
-                progress.write(f"skipped the chunk at {chunk.t:g}s: {e}")
+                progress.write(f"skipped the chunk at {chunk.t:g}s: {e}", file=sys.stderr)
             progress.update(1)
             ask_due(chunk.t + 1.0)
         ask_due(float("inf"))
+    except MediaError as e:  # the file broke mid-way: keep what was streamed and answered
+        error = e
     finally:
         progress.close()
 
     s = session.stats()
-    print(f"\nKV: {s['retained_cells']} retained cells in a span of {s['physical_span']} slots "
-          f"({s['active_pages']} active pages), {s['kv_bytes'] / 2**20:.2f} MiB; {s['units']} units, "
-          f"{s['evictions']} evictions ({s['evicted_tokens']} tokens), {s['migrations']} migrations "
-          f"({s['migrated_cells']} cells); policy {s['policy']} (high {s['high']}, low {s['low']})",
-          file=sys.stderr)
-    if args.save_session:
-        session.save(args.save_session)
+    print(f"\nstreamed {streamed} s: {media.summary()}", file=sys.stderr)
+    print(kv_summary(s), file=sys.stderr)
+    status = 0
+    if error is not None:
+        print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
+        status = 1
     if args.json:
-        out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
-    return 0
+        out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
+               "media": {"units": streamed, "video_seconds": media.frames if args.video else 0,
+                         "audio_seconds": round(media.audio_seconds, 3),
+                         "silence_seconds": round(media.silence_seconds, 3)}}
+        try:
+            write_json_atomic(Path(args.json).expanduser(), out)
+        except OSError as e:
+            print(f"omnitide stream: could not write --json {args.json}: {e}", file=sys.stderr)
+            status = 1
+    if args.save_session:
+        try:
+            session.save(args.save_session)
+        except OSError as e:
+            print(f"omnitide stream: could not save the session to {args.save_session}: {e}", file=sys.stderr)
+            status = 1
+    return status

@@ -16,6 +16,11 @@ shift, applied to every position axis, with ``frontier`` = 1 + the largest new p
 
 so the first kept range moves to where the history started (s_0 = 0 whenever the first token is kept, e.g. the
 system prefix).
+
+``positions="keep"`` (any policy; ``make_policy(..., positions="keep")``) is the other answer to what eviction does
+to positions: every shift is 0, kept keys stay where they were written and the gaps stay (llama.cpp-omni's unit mode
+does this). It exists to be measured against the shift (docs/quality.md); new tokens continue after the largest kept
+position, so positions grow without bound over a long stream.
 For 1-D RoPE this is the number of deleted positions before the token (paper 5.2); for M-RoPE it closes real
 gaps and never creates an overlap, and a uniform shift of t, h and w is one exact re-rotation.
 """
@@ -30,6 +35,7 @@ import numpy as np
 from .units import History, Span, SpanKind, Unit, UnitError, UnitKind
 
 LAYOUTS = ("native", "omnipage", "eager")
+POSITION_MODES = ("shift", "keep")  # close the gaps (one re-rotation per kept key) or keep the old positions
 
 
 class RetentionError(ValueError):
@@ -87,6 +93,7 @@ class RetentionPlan:
     tokens_before: int
     tokens_after: int
     units: tuple[UnitPlan, ...]
+    positions: str = "shift"  # "keep": every shift is 0 (POSITION_MODES)
 
     def keep_mask(self) -> np.ndarray:
         """Bool over the logical sequence before the plan: True where the token is kept."""
@@ -135,9 +142,10 @@ class RetentionPlan:
                 raise RetentionError(f"plan deletes tokens {list(up.deleted)} of the system prefix (unit {u.uid})")
         if self.tokens_before != history.total_tokens or self.tokens_after != sum(u.kept_tokens for u in self.units):
             raise RetentionError("plan token counts do not match its ranges")
-        expect = plan_from_mask(history, self.keep_mask(), self.policy)
+        expect = plan_from_mask(history, self.keep_mask(), self.policy, self.positions)
         if tuple(u.shifts for u in expect.units) != tuple(u.shifts for u in self.units):
-            raise RetentionError("plan shifts do not follow the shift rule")
+            raise RetentionError("plan shifts do not follow the shift rule" if self.positions == "shift"
+                                 else "a positions='keep' plan must not shift anything")
 
     def to_json(self) -> dict:
         return {"policy": self.policy, "tokens_before": self.tokens_before, "tokens_after": self.tokens_after,
@@ -165,11 +173,15 @@ def range_shifts(positions: np.ndarray, ranges: Sequence[tuple[int, int]]) -> li
     return shifts
 
 
-def plan_from_mask(history: History, keep: np.ndarray, policy: str = "custom") -> RetentionPlan:
-    """Build the plan that keeps exactly the tokens where ``keep`` is True (logical order), with shifts.
+def plan_from_mask(history: History, keep: np.ndarray, policy: str = "custom",
+                   positions: str = "shift") -> RetentionPlan:
+    """Build the plan that keeps exactly the tokens where ``keep`` is True (logical order), with shifts
+    (``positions="shift"``, the shift rule) or without (``"keep"``: every shift 0, the gaps stay).
 
     Raises :class:`RetentionError` if ``keep`` has the wrong length or deletes any of the system prefix.
     """
+    if positions not in POSITION_MODES:
+        raise RetentionError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
     keep = np.asarray(keep, dtype=bool).reshape(-1)
     total = history.total_tokens
     if keep.size != total:
@@ -180,7 +192,10 @@ def plan_from_mask(history: History, keep: np.ndarray, policy: str = "custom") -
         raise RetentionError(f"plan would delete {bad.size} system-prefix tokens (first at {int(bad[0])}); "
                              "the system prefix is never evicted")
     ranges = _runs(keep)
-    shifts = range_shifts(history.positions(), ranges) if ranges else []
+    if positions == "keep":
+        shifts = [0] * len(ranges)
+    else:
+        shifts = range_shifts(history.positions(), ranges) if ranges else []
     units: list[UnitPlan] = []
     r = 0  # index of the first global kept range that may reach into the current unit
     off = 0
@@ -197,7 +212,7 @@ def plan_from_mask(history: History, keep: np.ndarray, policy: str = "custom") -
             us.append(shifts[r])
         units.append(UnitPlan(u.uid, u.length, kept, deleted, not kept, tuple(us)))
         off = end
-    return RetentionPlan(policy, total, int(keep.sum()), tuple(units))
+    return RetentionPlan(policy, total, int(keep.sum()), tuple(units), positions)
 
 
 def apply_plan(history: History, plan: RetentionPlan) -> History:
@@ -243,6 +258,7 @@ class RetentionPolicy:
 
     name = "policy"
     needs_scores = False
+    positions = "shift"  # POSITION_MODES; make_policy(..., positions="keep") sets it on the instance
 
     def __init__(self, high: int = 2500, low: int = 1800, layout: str = "native"):
         if not (isinstance(high, (int, np.integer)) and isinstance(low, (int, np.integer))):
@@ -259,14 +275,17 @@ class RetentionPolicy:
         if history.total_tokens <= self.high or not history.stream_units:
             return None
         keep = self.keep_mask(history, scores)
-        plan = plan_from_mask(history, keep, self.name)
+        plan = plan_from_mask(history, keep, self.name, self.positions)
         return plan if plan.deleted_tokens else None
 
     def keep_mask(self, history: History, scores: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
     def config(self) -> dict:
-        return {"name": self.name, "high": self.high, "low": self.low, "layout": self.layout}
+        cfg = {"name": self.name, "high": self.high, "low": self.low, "layout": self.layout}
+        if self.positions != "shift":
+            cfg["positions"] = self.positions
+        return cfg
 
     def __repr__(self) -> str:
         try:
@@ -499,7 +518,11 @@ POLICIES: dict[str, tuple[type[RetentionPolicy], dict[str, Any]]] = {
 def make_policy(name: str, profile: Any = None, **kw: Any) -> RetentionPolicy:
     """Build a policy by its CLI name (``full``, ``fifo``, ``token``, ``streamingllm``, ``h2o``, ``omnipick``,
     ``omnitide``, ``eager``). ``profile`` (a :class:`~omnitide_mlx.core.profiles.ModelProfile` or its name)
-    supplies per-model defaults (watermarks, sink lengths, text budget); explicit keywords win."""
+    supplies per-model defaults (watermarks, sink lengths, text budget); explicit keywords win.
+    ``positions="keep"`` makes the policy keep old positions (gaps) instead of shifting (``POSITION_MODES``)."""
+    positions = kw.pop("positions", "shift")
+    if positions not in POSITION_MODES:
+        raise RetentionError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
     key = name.lower().replace("-", "").replace("_", "")
     if key not in POLICIES:
         raise RetentionError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
@@ -513,6 +536,8 @@ def make_policy(name: str, profile: Any = None, **kw: Any) -> RetentionPolicy:
     args.update(fixed)
     args.update(kw)
     try:
-        return cls(**args)
+        policy = cls(**args)
     except TypeError as e:
         raise RetentionError(f"policy {name!r}: {e}") from e
+    policy.positions = positions
+    return policy

@@ -1,8 +1,9 @@
 """Which retention settings an evaluation compares: policy names with optional overrides, times watermarks.
 
 A policy spec is a CLI policy name, optionally with keyword overrides: ``omnipick``, ``h2o``,
-``omnipick:text_budget=64,recent_units=3``. A watermark spec is ``HIGH/LOW`` in tokens (``2500/1800``). Every
-spec runs at every watermark, except ``full``, which never evicts and runs once.
+``omnipick:text_budget=64,recent_units=3``, ``token:positions=keep`` (old positions kept, gaps left: core/pick.py).
+A watermark spec is ``HIGH/LOW`` in tokens (``2500/1800``). Every spec runs at every watermark, except ``full``,
+which never evicts and runs once.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..core.pick import POLICIES, RetentionError, RetentionPolicy, make_policy
+from ..core.pick import POLICIES, POSITION_MODES, RetentionError, RetentionPolicy, make_policy
 
 # the rows of the paper's table 2, in its order, with its names
 PAPER_POLICIES = ("full", "fifo", "token", "streamingllm", "h2o", "omnipick")
@@ -25,7 +26,7 @@ class PolicySetting:
     """One policy at one pair of watermarks: what a single evaluation run uses."""
 
     name: str
-    overrides: tuple[tuple[str, int], ...] = ()
+    overrides: tuple[tuple[str, int | str], ...] = ()
     high: int = DEFAULT_WATERMARKS[0]
     low: int = DEFAULT_WATERMARKS[1]
 
@@ -63,14 +64,21 @@ class PolicySetting:
                 "key": self.key}
 
 
-def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """``omnipick:text_budget=64,recent_units=3`` -> ("omnipick", (("recent_units", 3), ("text_budget", 64)))."""
+def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, int | str], ...]]:
+    """``omnipick:text_budget=64,recent_units=3`` -> ("omnipick", (("recent_units", 3), ("text_budget", 64))).
+    Values are integers, except ``positions`` (``shift`` or ``keep``)."""
     name, _, rest = text.strip().partition(":")
     name = name.strip().lower()
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} in {text!r}; choose from {', '.join(sorted(POLICIES))}")
-    overrides: dict[str, int] = {}
+    overrides: dict[str, int | str] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
+        m = re.fullmatch(r"positions=([a-z]+)", part)
+        if m:
+            if m.group(1) not in POSITION_MODES:
+                raise ValueError(f"policy option {part!r} in {text!r}: positions is one of {', '.join(POSITION_MODES)}")
+            overrides["positions"] = m.group(1)
+            continue
         m = re.fullmatch(r"([a-z_]+)=(-?\d+)", part)
         if not m:
             raise ValueError(f"policy option {part!r} in {text!r} is not NAME=INTEGER (e.g. text_budget=64)")

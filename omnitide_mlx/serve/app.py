@@ -209,6 +209,11 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
             if data is None:
                 raise ClientError("bad_request", "empty message")
             if len(data) > limits.max_message_bytes:
+                if isinstance(data, bytes):  # name the unit in the error: a binary header is cheap to read
+                    with contextlib.suppress(ClientError):
+                        seq = split_binary(data)[0].get("seq")
+                        if seq is not None:
+                            ref["seq"] = seq
                 raise ClientError("message_too_large", f"the message is {len(data)} bytes; the limit is "
                                                        f"{limits.max_message_bytes} (--max-message-bytes)", 413)
             if isinstance(data, bytes):

@@ -16,7 +16,6 @@ profits from both). Only policies whose layout is ``"omnipage"`` migrate at all.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -24,7 +23,8 @@ import numpy as np
 import torch
 
 from ..core.sim import make_layout
-from ..engine import Sampling, StreamingSession
+from ..engine import Sampling, StreamingSession, _model_ref
+from ..errors import RestoreError
 from .cache import OmniTorchCache
 
 MIGRATIONS = ("ordered_suffix", "class_aware")
@@ -122,14 +122,10 @@ class TorchSession(StreamingSession):
             from .qwen2_5_omni import load
 
             if model is None:
-                try:
-                    with open(Path(path) / "session.json", encoding="utf-8") as f:
-                        model = json.load(f).get("model_path")
-                except FileNotFoundError:
-                    raise FileNotFoundError(f"{path} holds no saved session (session.json missing)") from None
+                model = cls.read_meta(path).get("model_path")
                 if not model:
-                    raise ValueError("the saved session does not record its model; pass model=")
-            model_path = str(model)
+                    raise RestoreError(f"{Path(path) / 'session.json'} does not record its model; pass model=")
+            model_path = _model_ref(model)
             model = load(model, device=device or _default_device(), dtype=dtype)
         else:
             model_path = None

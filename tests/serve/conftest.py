@@ -63,18 +63,22 @@ class Server:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def start_server():
-    started = []
+@pytest.fixture(scope="session")
+def server(tiny_qwen, tmp_path_factory):
+    """One server for all the serve tests (starting one costs seconds): small limits so that each is reachable."""
+    s = Server(["--model", str(tiny_qwen), "--max-sessions", "3", "--max-queued", "3", "--max-message-bytes",
+                "256KiB", "--max-frame-pixels", "20000", "--max-tokens-limit", "4000",
+                "--session-dir", str(tmp_path_factory.mktemp("saved")), "--high", "150", "--low", "100"])
+    yield s
+    s.stop()
 
-    def start(*args: str, env: dict | None = None) -> Server:
-        s = Server(list(args), env)
-        started.append(s)
-        return s
 
-    yield start
-    for s in started:
-        s.stop()
+@pytest.fixture
+def http(server):
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

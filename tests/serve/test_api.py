@@ -15,16 +15,9 @@ from omnitide_mlx.serve.config import Limits, ServeConfig
 from omnitide_mlx.serve.guards import Guard
 
 
-@pytest.fixture(scope="module")
-def server(start_server, tiny_qwen):
-    return start_server("--model", str(tiny_qwen), "--max-sessions", "2", "--max-message-bytes", "1MiB",
-                        "--max-frame-pixels", "20000", "--max-tokens-limit", "4000")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
+@pytest.fixture
+def client(http):
+    return http
 
 
 def chat(client, content, **kw):
@@ -116,7 +109,7 @@ def test_bad_requests_get_a_specific_error(client, body, status, code):
 
 
 def test_limits_on_body_and_frame_size(client):
-    r = client.post("/v1/chat/completions", content=b"{" + b" " * (1 << 20) + b"}",
+    r = client.post("/v1/chat/completions", content=b"{" + b" " * (300 << 10) + b"}",
                     headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "message_too_large"
     from PIL import Image
@@ -134,15 +127,18 @@ def test_session_limit_and_lifecycle(client):
     assert a.status_code == 201, a.text
     info = a.json()
     assert info["stats"]["policy"] == "fifo" and info["stats"]["high"] == 300
-    b = client.post("/v1/sessions", json={})
-    assert b.status_code == 201
+    others = [client.post("/v1/sessions", json={}) for _ in range(2)]
+    assert [o.status_code for o in others] == [201, 201]
     c = client.post("/v1/sessions", json={})
     assert c.status_code == 429 and c.json()["error"]["code"] == "session_limit"
+    assert "--max-sessions" in c.json()["error"]["message"]
     assert chat(client, "hi").status_code == 429  # one-shot requests count too
-    assert {s["id"] for s in client.get("/v1/sessions").json()["sessions"]} == {info["id"], b.json()["id"]}
+    ids = {info["id"]} | {o.json()["id"] for o in others}
+    assert {s["id"] for s in client.get("/v1/sessions").json()["sessions"]} == ids
     assert client.delete(f"/v1/sessions/{info['id']}").status_code == 204
     assert client.get(f"/v1/sessions/{info['id']}").status_code == 404
-    assert client.delete(f"/v1/sessions/{b.json()['id']}").status_code == 204
+    for o in others:
+        assert client.delete(f"/v1/sessions/{o.json()['id']}").status_code == 204
     assert client.post("/v1/sessions", json={"policy": "nope"}).json()["error"]["code"] == "bad_request"
     r = client.post("/v1/sessions", json={"kv_budget": "1KiB"})
     assert r.status_code == 400 and "KV budget" in r.json()["error"]["message"]

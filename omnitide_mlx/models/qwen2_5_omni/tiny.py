@@ -186,14 +186,16 @@ PREPROCESSOR_CONFIG = {
 
 
 def make_tiny_checkpoint(dst, *, tokenizer_dir, vocab: str = "tiny", seed: int = 0, prefix: bool = True,
-                         extra_keys: bool = True, **sizes) -> Path:
+                         extra_keys: bool = True, speech: bool = False, **sizes) -> Path:
     """Write a random tiny Qwen2.5-Omni checkpoint to ``dst`` (a folder) and return its path.
 
     ``tokenizer_dir``: a folder with the Qwen2 ``vocab.json`` + ``merges.txt`` (tests/data/tokenizers/qwen2).
     ``vocab``: "tiny" (1,024 embedding rows, special tokens at 1000..1021) or "real" (151,936 rows, the real
     tokenizer and ids). ``prefix`` / ``extra_keys``: the released layout (``thinker.`` names, talker and
-    token2wav weights); turn them off for a bare-thinker checkpoint. ``sizes``: text_layers, vision_depth,
-    audio_layers.
+    token2wav weights); turn them off for a bare-thinker checkpoint. ``speech``: a complete tiny talker and
+    token2wav (``talker_config`` / ``token2wav_config``, every ``talker.*`` / ``token2wav.*`` weight and a
+    ``spk_dict.pt`` with two voices, written as ``torch.save`` lays it out), so that the spoken path runs.
+    ``sizes``: text_layers, vision_depth, audio_layers.
     """
     from safetensors.numpy import save_file
 
@@ -208,7 +210,13 @@ def make_tiny_checkpoint(dst, *, tokenizer_dir, vocab: str = "tiny", seed: int =
     thinker = config.get("thinker_config", config)
     pre = "thinker." if prefix else ""
     tensors = {pre + k: draw(k, shape, rng) for k, shape in thinker_weight_shapes(thinker).items()}
-    if extra_keys:
+    if speech:
+        if not prefix:
+            raise ValueError("speech=True needs the released layout (prefix=True)")
+        config.update(tiny_speech_config(vocab))
+        tensors.update(speech_tensors(config, rng))
+        write_speakers(dst / "spk_dict.pt", config, rng)
+    elif extra_keys:
         tensors["talker.model.embed_tokens.weight"] = rng.standard_normal((16, 8)).astype(np.float32)
         tensors["talker.codec_head.weight"] = rng.standard_normal((16, 8)).astype(np.float32)
         tensors["token2wav.code2wav_dit_model.input_embed.proj.weight"] = rng.standard_normal((8, 4)).astype(
@@ -220,3 +228,119 @@ def make_tiny_checkpoint(dst, *, tokenizer_dir, vocab: str = "tiny", seed: int =
         json.dump(PREPROCESSOR_CONFIG, f, indent=2)
     write_tokenizer(dst, Path(tokenizer_dir), vocab)
     return dst
+
+
+# --- speech: talker + token2wav -----------------------------------------------------------------------------------
+
+TINY_CODEC_VOCAB = 40  # codes 0..31 are speech, 32.. the talker's specials: a random talker stops after ~20 codes
+TINY_SPEAKERS = ("Chelsie", "Ethan")
+BIGVGAN_GAIN = 0.8  # the random vocoder's residual stack: at 1.0, ~75 % of samples saturate at +-1; at 0.8, none (std 0.18)
+
+
+def tiny_speech_config(vocab: str = "tiny") -> dict:
+    """``talker_config`` and ``token2wav_config`` of a tiny speaking checkpoint (released field names)."""
+    real = vocab == "real"
+    base = TINY_BASE if not real else 151643
+    ids = {c: base + i for i, (c, _) in enumerate(SPECIAL_TOKENS)}
+    text_pad, text_bos, text_eos = (151859, 151860, 151861) if real else (900, 901, 902)
+    talker = {
+        "model_type": "qwen2_5_omni_talker", "architectures": ["Qwen2_5OmniTalkerModel"],
+        "vocab_size": TINY_CODEC_VOCAB, "embedding_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rope_scaling": {"mrope_section": [2, 3, 3], "rope_type": "default", "type": "default"},
+        "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 28,
+        "tts_codec_pad_token_id": 32, "tts_codec_start_token_id": 33, "tts_codec_end_token_id": 34,
+        "tts_codec_mask_token_id": 36, "tts_text_pad_token_id": text_pad, "tts_text_start_token_id": text_bos,
+        "tts_text_end_token_id": text_eos,
+        "audio_token_index": ids["<|AUDIO|>"], "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"], "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"], "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"], "position_id_per_seconds": 25, "seconds_per_chunk": 2,
+        "spatial_merge_size": 2,
+    }
+    token2wav = {
+        "model_type": "qwen2_5_omni_token2wav",
+        "dit_config": {
+            "model_type": "qwen2_5_omni_dit", "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
+            "head_dim": 16, "ff_mult": 2, "emb_dim": 16, "block_size": 4, "look_ahead_layers": [2],
+            "look_backward_layers": [0, 3], "repeats": 2, "num_embeds": TINY_CODEC_VOCAB, "mel_dim": 80,
+            "dropout": 0.0, "enc_emb_dim": 24, "enc_dim": 16, "enc_channels": [16, 16, 16, 16, 48],
+            "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1], "enc_attention_channels": 8,
+            "enc_res2net_scale": 2, "enc_se_channels": 8,
+        },
+        "bigvgan_config": {
+            "model_type": "qwen2_5_omni_bigvgan", "mel_dim": 80, "upsample_initial_channel": 64,
+            "resblock_kernel_sizes": [3, 7, 11], "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+            "upsample_rates": [5, 3, 2, 2, 2, 2], "upsample_kernel_sizes": [11, 7, 4, 4, 4, 4],
+        },
+    }
+    return {"enable_audio_output": True, "talker_config": talker, "token2wav_config": token2wav}
+
+
+def talker_weight_shapes(talker: dict) -> dict[str, tuple[int, ...]]:
+    """Every talker tensor (names without ``talker.``) and its Hugging Face shape."""
+    from .talker import TalkerConfig
+
+    c = TalkerConfig.from_dict(talker)
+    h, hd = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    s = {"thinker_to_talker_proj.weight": (h, c.embedding_size), "thinker_to_talker_proj.bias": (h,),
+         "model.embed_tokens.weight": (c.vocab_size, c.embedding_size), "model.norm.weight": (h,),
+         "codec_head.weight": (c.vocab_size, h)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = s[p + "post_attention_layernorm.weight"] = (h,)
+        for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            s[p + f"self_attn.{name}.weight"], s[p + f"self_attn.{name}.bias"] = (out, h), (out,)
+        s[p + "self_attn.o_proj.weight"] = (h, q)
+        s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
+        s[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
+    return s
+
+
+def token2wav_weight_shapes(token2wav: dict) -> dict[str, tuple[int, ...]]:
+    """Every token2wav tensor (names without ``token2wav.``) and its Hugging Face shape (builds the MLX module
+    to enumerate them, so this imports MLX)."""
+    from .token2wav import Token2Wav, hf_token2wav_shapes
+
+    return hf_token2wav_shapes(Token2Wav.from_dict(token2wav))
+
+
+def draw_speech(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Talker / token2wav parameters: embeddings N(0, 1), RMSNorm weights 1 + N(0, 0.2), biases and the
+    SnakeBeta log-parameters N(0, 0.2), other weights N(0, 1/fan_in)."""
+    last = name.rsplit(".", 1)[-1]
+    if "embed_tokens" in name or "codec_embed" in name:
+        x = rng.standard_normal(shape)
+    elif name.endswith("layernorm.weight") or name.endswith("model.norm.weight"):
+        x = 1.0 + 0.2 * rng.standard_normal(shape)
+    elif last in ("bias", "alpha", "beta"):
+        x = 0.2 * rng.standard_normal(shape)
+    else:
+        x = rng.standard_normal(shape) / np.sqrt(int(np.prod(shape[1:])))
+        if "bigvgan" in name and "conv_pre" not in name:
+            x *= BIGVGAN_GAIN
+    return x.astype(np.float32)
+
+
+def speech_tensors(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = {f"talker.{k}": draw_speech(k, s, rng) for k, s in talker_weight_shapes(config["talker_config"]).items()}
+    out.update({f"token2wav.{k}": draw_speech(k, s, rng)
+                for k, s in token2wav_weight_shapes(config["token2wav_config"]).items()})
+    return out
+
+
+def write_speakers(path: Path, config: dict, rng: np.random.Generator) -> None:
+    """``spk_dict.pt`` with :data:`TINY_SPEAKERS`: a speaker vector, a 60-frame reference mel (natural-log
+    magnitudes around -5) and a text-bos token each."""
+    from .speakers import write_torch_zip
+
+    dit = config["token2wav_config"]["dit_config"]
+    bos0 = config["talker_config"]["tts_text_end_token_id"] + 1 if config["talker_config"][
+        "tts_text_end_token_id"] < 1000 else 151870
+    voices = {name: {"cond": rng.standard_normal((1, dit["enc_emb_dim"])).astype(np.float32),
+                     "ref_mel": (-5 + rng.standard_normal((1, 60, dit["mel_dim"]))).astype(np.float32),
+                     "bos_token": bos0 + i}
+              for i, name in enumerate(TINY_SPEAKERS)}
+    write_torch_zip(path, voices)

@@ -1,0 +1,149 @@
+"""The perplexity and drift experiments (eval/perplexity.py): the shipped text, scoring equal to an offline
+forward, positions="keep" exact on a real decoder, and both CLI experiments end to end on a tiny GGUF (seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("gguf")
+
+from omnitide_mlx.cli import main  # noqa: E402
+from omnitide_mlx.eval import perplexity as px  # noqa: E402
+from omnitide_mlx.eval.policies import expand_settings  # noqa: E402
+from omnitide_mlx.models.llama_gguf import load_gguf  # noqa: E402
+from omnitide_mlx.models.llama_gguf.adapter import UNIT_TAG  # noqa: E402
+from omnitide_mlx.models.llama_gguf.tiny import write_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return load_gguf(tiny_path)
+
+
+def test_the_shipped_text_and_its_units():
+    verses = px.load_verses()
+    assert len(verses) == 728 and verses[0] == ("1:1", "In the beginning God created the heaven and the earth.")
+    assert verses[-1][0] == "26:35"
+    units = px.make_units(verses)
+    assert len(units) == 243 and units[1].startswith("[Gen 1:4] And God saw the light")
+    assert all(UNIT_TAG.match(u) for u in units)
+
+
+def _setting(spec: str, mark: str | None = None, system: bool = True) -> px.StreamSetting:
+    return px.StreamSetting(expand_settings([spec], [mark] if mark else None)[0], system)
+
+
+def test_scores_equal_an_offline_forward_of_the_same_tokens(tiny):
+    """Full context: each unit's summed NLL equals the NLL of its text tokens in one offline forward."""
+    model, tok = tiny
+    units = px.make_units(px.load_verses())[:4]
+    scores, session = px.stream_scores(model, tok, units, _setting("full"), max_tokens=10_000)
+    ids = np.concatenate([session.adapter.system_unit(px.SYSTEM_PROMPT, 0).input_ids] +
+                         [np.asarray(x) for x in _unit_ids(model, tok, units)])
+    lm = model.language_model
+    logits = lm(lm.embed_tokens(mx.array(ids))[None])[0]
+    offset = session.history[0].length
+    for s, u in zip(scores, session.history.stream_units):
+        unit_ids = ids[offset:offset + u.length]
+        start = next(sp.start for sp in u.spans if sp.kind.value == "text")
+        want = px.token_nll(logits, ids, offset + start, offset + start + s.scored).sum()
+        assert s.scored > 10 and s.nll == pytest.approx(want, rel=1e-4)
+        assert len(unit_ids) == s.tokens
+        offset += u.length
+
+
+def _unit_ids(model, tok, units):
+    from omnitide_mlx.session import OmniSession
+
+    s = OmniSession((model, tok), policy="full", system_prompt=px.SYSTEM_PROMPT)
+    out = []
+    for u in units:
+        out.append(px._prepared(s, u).input_ids)
+        s.push(text=u)
+    return out
+
+
+def test_keep_positions_equal_the_masked_full_cache_at_the_old_positions(tiny):
+    """positions="keep" on a real decoder: right after the first eviction the bounded cache reads the next unit
+    exactly as a full-context cache with the deleted tokens masked out and every kept key where it was written
+    (later, kept tokens' deeper keys were themselves computed from a trimmed cache, and the two differ)."""
+    from mlx_lm.models.cache import KVCache
+
+    from omnitide_mlx.eval.probe import RetentionRecorder
+
+    model, tok = tiny
+    units = px.make_units(px.load_verses())[:6]
+    recorder = RetentionRecorder(_setting("streamingllm:positions=keep,sink=4", "500/300").policy.build())
+    cls = px._scoring_session_class()
+    bounded = cls((model, tok), policy=recorder, system_prompt=px.SYSTEM_PROMPT)
+    full = cls((model, tok), policy="full", system_prompt=px.SYSTEM_PROMPT)
+    for u in units[:-1]:
+        bounded.push(text=u)
+        full.push(text=u)
+        if recorder.plans:
+            break
+    assert recorder.plans == 1
+    offsets = dict(zip((u.uid for u in full.history), full.history.offsets()))
+    kept = np.asarray([offsets[u.uid] + int(i) for u in bounded.history for i in recorder.kept[u.uid]])
+    assert np.array_equal(bounded.history.positions()[0], kept)  # the gaps stayed
+    assert (np.diff(kept) > 1).sum() == 1  # the sink, a gap, the window
+    slots = full.cache.logical_slots()[kept]
+    reference = []
+    for layer in full.cache.layers:
+        c = KVCache()
+        c.update_and_fetch(layer.keys[:, :, mx.array(slots), :], layer.values[:, :, mx.array(slots), :])
+        reference.append(c)
+    prep = px._prepared(bounded, units[-1])
+    lm = model.language_model
+    want = lm(prep.inputs_embeds[None], reference, mx.array(prep.positions[0]))[0]
+    bounded.push(text=units[-1])
+    np.testing.assert_allclose(np.array(bounded.step_logits), np.array(want), atol=1e-4, rtol=1e-4)
+
+
+def test_settings_cover_the_variants_in_priority_order():
+    keys = [s.key for s in px.perplexity_settings(("512/368", "1024/736"))]
+    assert keys[:6] == ["token@512-368", "token+positions=keep@512-368", "token@512-368+nosys", "omnipick@512-368",
+                        "omnipick+positions=keep@512-368", "streamingllm+sink=4@512-368"]
+    assert keys.count("full") == 1 and len(keys) == len(set(keys)) == 23
+    variants = {s.key: s.variant for s in px.perplexity_settings(("512/368",))}
+    assert variants["h2o+positions=keep@512-368"] == "b" and variants["streamingllm+sink=4@512-368+nosys"] == "c"
+    assert {v for v in variants.values()} == {"-", "a", "b", "c"}
+
+
+def test_perplexity_and_drift_commands_end_to_end(tiny_path, tmp_path):
+    args = ["eval", "study", "--experiment", "perplexity", "--gguf", str(tiny_path), "--tokens", "1500",
+            "--watermarks", "500/360"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    assert main(args + ["--out", str(tmp_path / "b")]) == 0
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    b = json.loads((tmp_path / "b" / "results.json").read_text())
+    for r in list(a["results"].values()) + list(b["results"].values()):
+        r.pop("seconds")
+    assert a["results"] == b["results"]  # deterministic
+    res = a["results"]
+    assert len(res) == 13 and res["full"]["evictions"] == 0 and res["token@500-360"]["evictions"] >= 2
+    assert res["token+positions=keep@500-360"]["max_position"] > res["token@500-360"]["max_position"]
+    assert all(r["tokens"] >= 1500 for k, r in res.items() if k != "full")
+    assert "| b | token sliding | 500/360 | keep |" in (tmp_path / "a" / "table.md").read_text()
+    assert main(["eval", "study", "--experiment", "perplexity", "--gguf", str(tiny_path), "--policy", "h2o",
+                 "--out", str(tmp_path / "c")]) == 1
+
+    out = tmp_path / "drift"
+    assert main(["eval", "study", "--experiment", "drift", "--gguf", str(tiny_path), "--units", "30",
+                 "--watermarks", "300/300", "--checkpoints", "0,5,15", "--out", str(out)]) == 0
+    doc = json.loads((out / "drift.json").read_text())
+    assert doc["evictions"] >= 20 and [c["evictions"] for c in doc["checkpoints"]] == [0, 5, 15]
+    first = doc["checkpoints"][0]  # before any eviction the recompute is the session's own history
+    assert first["max_abs_logit_diff_float32"] < 1e-3 and first["max_abs_logit_diff_float16"] < 0.1
+    for c in doc["checkpoints"]:
+        assert abs(c["nll_float16"] - c["nll_float32"]) / c["scored"] < 0.05
+    assert "| 15 |" in (out / "drift.md").read_text()

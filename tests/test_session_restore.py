@@ -1,0 +1,127 @@
+"""Save / restore that survives moving folders and bad files (issue 15, item 6): the model is recorded by absolute
+path, the model's family and KV shape are checked, every malformed file raises one RestoreError naming it, and
+saves are atomic."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from omnitide_mlx.errors import RestoreError, SessionError
+from omnitide_mlx.media import iter_chunks
+from omnitide_mlx.session import OmniSession
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoints):
+    from omnitide_mlx.models import load
+
+    return {name: load(path) for name, path in tiny_checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def chunks(media_dir):
+    return [(c.frame[::4, ::4].copy(), c.audio, c.t) for c in iter_chunks(media_dir / "video_10s_av.mp4", seconds=3)]
+
+
+@pytest.fixture(scope="module")
+def saved(models, chunks, tmp_path_factory):
+    s = OmniSession(models["qwen"], policy="omnitide", high=300, low=200)
+    for frame, audio, t in chunks:
+        s.push(frame=frame, audio=audio, t=t)
+    s.answer("Hello?", max_tokens=3)
+    return s, s.save(tmp_path_factory.mktemp("saved") / "sess")
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_a_relative_model_path_is_saved_absolute(tiny_checkpoints, chunks, tmp_path, monkeypatch):
+    """Before: the relative path was saved as given, so restoring from another folder looked it up on the Hub."""
+    ckpt = tiny_checkpoints["qwen"]
+    monkeypatch.chdir(ckpt.parent)
+    s = OmniSession(ckpt.name, policy="fifo", high=300, low=200)
+    s.push(frame=chunks[0][0], audio=chunks[0][1], t=0)
+    path = s.save(tmp_path / "sess")
+    assert json.loads((path / "session.json").read_text())["model_path"] == str(ckpt.resolve())
+    monkeypatch.chdir(tmp_path)
+    r = OmniSession.restore(path)
+    assert r.history.to_json() == s.history.to_json()
+
+
+def test_restoring_into_another_model_family_names_the_file(models, saved):
+    """Before: a bare KeyError from the adapter state."""
+    _, path = saved
+    with pytest.raises(RestoreError, match=r"session\.json was saved from a qwen2_5_omni model; this one is minicpmo"):
+        OmniSession.restore(path, model=models["minicpmo"])
+
+
+def _truncate(p, keep=0.5):
+    data = p.read_bytes()
+    p.write_bytes(data[: int(len(data) * keep)])
+
+
+BREAKS = {
+    "truncated session.json": ("session.json", lambda d: _truncate(d / "session.json"), "not valid JSON"),
+    "empty session.json": ("session.json", lambda d: (d / "session.json").write_text(""), "not valid JSON"),
+    "session.json a list": ("session.json", lambda d: (d / "session.json").write_text("[]"), "does not hold"),
+    "future format": ("session.json", lambda d: _edit(d, format=99), "format 99"),
+    "missing history": ("session.json", lambda d: _edit(d, history=None, drop="history"), "missing history"),
+    "bad history": ("session.json", lambda d: _edit(d, history=[{"uid": "x"}]), "malformed"),
+    "no kv file": ("kv.safetensors", lambda d: (d / "kv.safetensors").unlink(), "missing"),
+    "truncated kv": ("kv.safetensors", lambda d: _truncate(d / "kv.safetensors"), "cannot be read"),
+    "no arrays file": ("session.safetensors", lambda d: (d / "session.safetensors").unlink(), "missing"),
+    "truncated arrays": ("session.safetensors", lambda d: _truncate(d / "session.safetensors"), "cannot be read"),
+    "no session.json": ("session.json", lambda d: (d / "session.json").unlink(), "no saved session"),
+}
+
+
+def _edit(d, drop=None, **kw):
+    meta = json.loads((d / "session.json").read_text())
+    meta.update(kw)
+    if drop:
+        del meta[drop]
+    (d / "session.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("case", list(BREAKS))
+def test_every_malformed_file_is_one_clear_error_naming_it(models, saved, tmp_path, case):
+    _, path = saved
+    name, breaker, message = BREAKS[case]
+    d = _copy(path, tmp_path / "broken")
+    breaker(d)
+    with pytest.raises(RestoreError, match=message) as e:
+        OmniSession.restore(d, model=models["qwen"])
+    assert name in str(e.value) or str(d) in str(e.value)
+
+
+def test_save_is_atomic_and_replaces_an_older_save_whole(models, saved, chunks, tmp_path):
+    s, _ = saved
+    path = s.save(tmp_path / "sess")
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    s2 = OmniSession(models["qwen"], policy="omnitide", high=300, low=200)
+    s2.push(frame=chunks[0][0], audio=chunks[0][1], t=0)
+
+    def disk_full(*a, **k):  # a write that fails half way through the save
+        raise OSError(28, "No space left on device")
+
+    s2._save_arrays = disk_full
+    with pytest.raises(OSError, match="No space"):
+        s2.save(path)
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before  # the older save is untouched
+    assert sorted(os.listdir(tmp_path)) == ["sess"]  # no temporary folder left behind
+    del s2._save_arrays
+    s2.save(path)  # a good save replaces it whole
+    r = OmniSession.restore(path, model=models["qwen"])
+    assert r.history.to_json() == s2.history.to_json()
+    np.testing.assert_array_equal(np.array(r._last_logits), np.array(s2._last_logits))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(SessionError, match="not a saved session"):
+        s2.save(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
