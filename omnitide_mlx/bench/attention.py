@@ -99,7 +99,7 @@ def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_d
 
 def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: int, chunk: int,
                      dtype=mx.float32, sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None,
-                     log=None) -> list[dict]:
+                     log=None, kv_quant: tuple[int, int] | None = None) -> list[dict]:
     """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode."""
     rng = np.random.default_rng(seed)
     flush = cache_flusher()  # every call starts with cold caches, as a layer's attention does inside a model
@@ -111,15 +111,35 @@ def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: i
     for phase, t in (("prefill", chunk), ("decode", 1)):
         for row in _bench_phase(cp, phase, t, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                                 sdpa_max_history=sdpa_max_history, rng=rng, reps=reps, flush=flush,
-                                migration_ms=migration_ms):
+                                migration_ms=migration_ms, kv_quant=kv_quant):
             rows.append(row)
             if log:
                 log(row)
     return rows
 
 
+def _quantised_calls(q, k, v, plans: dict, scale: float, kv_quant: tuple[int, int], head_dim: int, rng) -> dict:
+    """Per layout, the same attention on K/V quantised to ``kv_quant`` = (bits, group): keys as written
+    (``mx.quantized_matmul``) and keys with a pending shift each (deferred re-rotation: dequantise and rotate at read
+    time; after evictions most kept keys have one)."""
+    from ..kernels.quantized import KeyShift, quantize_rows, quantized_tile_skip_attention
+    from ..rope import RopeSpec
+
+    bits, group = kv_quant
+    kq, vq = quantize_rows(k, group, bits), quantize_rows(v, group, bits)
+    shift = KeyShift(rng.integers(1, 4096, k.shape[2]), RopeSpec(head_dim, 1e6).rotate_tokens)
+    calls = {}
+    for name, plan in plans.items():
+        kw = dict(group_size=group, bits=bits)
+        calls[f"{name}@q"] = (lambda plan=plan: quantized_tile_skip_attention(q, kq, vq, plan, scale, **kw))
+        calls[f"{name}@q-shifted"] = (lambda plan=plan: quantized_tile_skip_attention(q, kq, vq, plan, scale,
+                                                                                       shift=shift, **kw))
+    mx.eval(kq, vq)
+    return calls
+
+
 def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_dim, dtype, sdpa_max_history, rng,
-                 reps, flush, migration_ms) -> list[dict]:
+                 reps, flush, migration_ms, kv_quant=None) -> list[dict]:
     """The rows of one phase; its calls are timed interleaved (common.time_interleaved)."""
     scale = head_dim ** -0.5
     base = {"history": cp.history, "full_context_tokens": cp.full_context_tokens, "retained": cp.retained}
@@ -152,6 +172,8 @@ def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_
         calls[name] = (lambda plan=plan: tile_skip_attention(q, k, v, scale=scale, plan=plan))
         info[name] = (plan, tile, table.stats())
     mx.eval(q, dk, dv, k, v)
+    if kv_quant:
+        calls.update(_quantised_calls(q, k, v, {n: info[n][0] for n in LAYOUT_NAMES}, scale, kv_quant, head_dim, rng))
     timings = time_interleaved(calls, reps, flush)
     ref, sdpa = timings["full_reference"], timings.get("full_sdpa")
     best, impl = (ref, "reference") if sdpa is None or ref.median_ms <= sdpa.median_ms else (sdpa, "sdpa")
@@ -181,6 +203,13 @@ def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_
             if name == "omnipage":
                 with_mig = tm.median_ms + (row["migration_ms"] if phase == "prefill" else 0.0)
                 row["median_ms_with_migration"] = round(with_mig, 3)
+        if kv_quant:  # the same call on quantised K/V, timed interleaved with it
+            tq, ts = timings[f"{name}@q"], timings[f"{name}@q-shifted"]
+            row["kv_quant"] = {"bits": kv_quant[0], "group_size": kv_quant[1], "median_ms": round(tq.median_ms, 3),
+                               "shifted_median_ms": round(ts.median_ms, 3),
+                               "ratio_to_float": round(tq.median_ms / tm.median_ms, 3),
+                               "shifted_ratio_to_float": round(ts.median_ms / tm.median_ms, 3),
+                               "timing": tq.to_json(), "shifted_timing": ts.to_json()}
         rows.append(row)
     return rows
 
@@ -243,6 +272,20 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def quant_markdown(result: dict) -> str:
+    """Quantised K/V against float, side by side per checkpoint (rows of a run with --kv-bits)."""
+    q = result["kv_quant"]
+    lines = [f"| history | phase | layout | float ms | {q['bits']}-bit ms (ratio) | {q['bits']}-bit, keys shifted ms "
+             "(ratio) |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "kv_quant" in r:
+            k = r["kv_quant"]
+            lines.append(f"| {r['history']} | {r['phase']} | {r['layout']} | {r['median_ms']:.2f} | "
+                         f"{k['median_ms']:.2f} ({k['ratio_to_float']:.2f}) | {k['shifted_median_ms']:.2f} "
+                         f"({k['shifted_ratio_to_float']:.2f}) |")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: str) -> None:
     """Milliseconds and speedups per history: CPU time solid (robust on a shared machine), wall time faint."""
     import matplotlib
@@ -291,7 +334,8 @@ def plot(result: dict, path: str) -> None:
 
 def run_bench(shape: str, histories: list[int], *, policy: str = "omnipick", dtype=mx.float32,
               sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None, question_every: int = 30,
-              log=None, setting=None, **policy_kw) -> dict:
+              log=None, setting=None, kv_quant: tuple[int, int] | None = None, kv_held_tokens: int = 0,
+              **policy_kw) -> dict:
     """``setting``: the media setting (a MediaSetting or a preset name; default: the default setting) that sizes
     the stream's units."""
     prof = resolve_profile(shape, setting)
@@ -302,8 +346,20 @@ def run_bench(shape: str, histories: list[int], *, policy: str = "omnipick", dty
     for cp in cps:
         rows += bench_checkpoint(cp, q_heads=prof.q_heads, kv_heads=prof.kv_heads, head_dim=prof.head_dim,
                                  chunk=prof.media_unit_tokens, dtype=dtype, sdpa_max_history=sdpa_max_history,
-                                 seed=seed, reps=reps, log=log)
+                                 seed=seed, reps=reps, log=log, kv_quant=kv_quant)
     pol = make_policy(policy, profile=prof, **policy_kw)
+    extra = {}
+    if kv_quant:
+        from .kv_quant import kv_bytes_per_token, kv_held
+
+        bits, group = kv_quant
+        extra["kv_quant"] = {
+            "bits": bits, "group_size": group,
+            "bytes_per_token": {"float16": kv_bytes_per_token(prof, None),
+                                f"{bits}-bit": kv_bytes_per_token(prof, bits, group)},
+            "held": kv_held(prof, kv_held_tokens, [(None, None), (8, group), (4, group)], policy="omnitide",
+                            seed=seed, **policy_kw) if kv_held_tokens else None,
+        }
     return {
         "shape": prof.name,
         "versions": versions(),
@@ -315,6 +371,7 @@ def run_bench(shape: str, histories: list[int], *, policy: str = "omnipick", dty
         "wall_s": round(time.perf_counter() - t0, 1),
         "rows": rows,
         "goals": goals(rows),
+        **extra,
     }
 
 
@@ -333,9 +390,17 @@ def run(args: argparse.Namespace) -> int:
               f"x{r['speedup_vs_full']:<7.2f} limit x{r['limit']:<7.2f} ratio {r['ratio_to_limit']:.2f} "
               f"(cpu x{r['cpu_speedup_vs_full']:.2f}, ratio {r['cpu_ratio_to_limit']:.2f})", flush=True)
 
+    kv_quant = (args.kv_bits, args.kv_group_size) if getattr(args, "kv_bits", None) else None
     result = run_bench(args.shape, histories, policy=args.policy, dtype=getattr(mx, args.dtype),
-                       sdpa_max_history=args.sdpa_max_history, seed=args.seed, reps=args.reps, log=log, **kw)
+                       sdpa_max_history=args.sdpa_max_history, seed=args.seed, reps=args.reps, log=log,
+                       kv_quant=kv_quant, kv_held_tokens=getattr(args, "kv_held_tokens", 0), **kw)
     write_outputs(result, args, markdown=markdown, plot=plot)
+    if result.get("kv_quant"):
+        from .kv_quant import markdown as held_markdown
+
+        print(quant_markdown(result))
+        if result["kv_quant"]["held"]:
+            print(held_markdown(result["kv_quant"]["held"]))
     g = result["goals"]
     print(f"rows below {RATIO_GOAL} of their limit: {len(g['rows_below_ratio_goal'])}; "
           f"wall {result['wall_s']} s; load {result['load_average']}")

@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per row (default: by duration)")
     p.add_argument("--sdpa-max-history", type=int, default=16384,
                    help="also time mx.fast SDPA for dense prefill up to this history (it is always timed for decode)")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                   help="also time every tile-skip row on K/V quantised to this many bits (side by side), and report "
+                        "KV bytes per token and the KV a long simulated stream holds")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64, help="with --kv-bits (default 64)")
+    p.add_argument("--kv-held-tokens", type=int, default=220000,
+                   help="with --kv-bits: the simulated stream's length for the KV-held figures (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")

@@ -16,6 +16,9 @@ The quantised slots that those rows stand for must be free (-1) in the plan's ``
 slot's shift and rotates at read time, see cache.py). Runs of keys with a non-zero shift are dequantised to float32,
 rotated once and multiplied in float32; the others go through ``mx.quantized_matmul``.
 
+On an Apple GPU the Metal kernel ``metal/tile_skip_attention_q.metal`` runs when the call has no full-precision
+segment, no pending key shift and no ``return_scores`` (otherwise the reference below).
+
 The reference follows mlx-lm's quantised SDPA: scores and outputs through ``mx.quantized_matmul`` on the packed rows
 (with float32 queries MLX computes them in float32: measured exact to 4e-6 against a float32 dequantisation), the
 query heads of a KV head stacked as rows (GQA without repeating K). The tiles are reached as the fp reference
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .attention import SCORE_BUDGET, AttentionError, TilePlan, _Block, _schedule, _softmax_rows
+from .attention import SCORE_BUDGET, AttentionError, TilePlan, _Block, _schedule, _softmax_rows, backend
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -127,6 +130,8 @@ def quantized_tile_skip_attention(q: mx.array, k: QTriple, v: QTriple, plan: Til
     full-precision row received, float32 [F] (None without ``full``)."""
     _check(q, k, v, plan, group_size, bits, full)
     _, hq, t, d = q.shape
+    if not return_scores and full is None and shift is None and d % 32 == 0 and backend() == "metal":
+        return metal_attention_q(q, k, v, plan, scale, group_size=group_size, bits=bits)
     hkv = k[0].shape[1]
     g = hq // hkv
     scores = mx.zeros((plan.capacity,), mx.float32) if return_scores else None
@@ -225,3 +230,50 @@ def _attend_block(q, k: QTriple, v: QTriple, blk: _Block | None, q_seq: mx.array
         if full is not None:
             p_f = p[..., n_q:].sum(axis=(0, 1, 2))
     return o.reshape(1, hq, tb, d), p_q, p_f
+
+
+# --- Metal ------------------------------------------------------------------------------------------------------
+
+ATTENTION_Q_BODY = """
+    threadgroup float tg_o[NQ * NS * D];
+    threadgroup float tg_ml[2 * NQ * NS];
+    tile_skip_attention_q_impl<TQ, TS, D, TILE, NQ, NS, BITS, GROUP>(
+        q, k, k_scales, k_biases, v, v_scales, v_biases, slot_seq, q_seq, tiles, dims, scale, o_part, lse_part,
+        tg_o, tg_ml, threadgroup_position_in_grid, threadgroups_per_grid, simdgroup_index_in_threadgroup,
+        thread_index_in_simdgroup);
+"""
+
+
+def metal_attention_q_spec(q: mx.array, k: QTriple, v: QTriple, plan: TilePlan, scale: float, *, group_size: int,
+                           bits: int, **launch) -> dict:
+    """``mx.fast.metal_kernel`` arguments of the quantised tile-skip kernel (``metal/tile_skip_attention_q.metal``):
+    the fp kernel's launch shape (``metal_attention_spec``, same ``launch`` overrides), packed K/V with their scales
+    and biases as inputs. The runtime path and tests/metal_check both build the kernel from this."""
+    from .attention import metal_attention_spec, metal_source
+
+    _check(q, k, v, plan, group_size, bits, None)
+    spec = metal_attention_spec(q, k[0], v[0], plan, scale, **launch)
+    rest = spec["inputs"][3:]  # slot_seq, q_seq, tiles, dims, scale
+    spec.update(
+        name="omnitide_tile_skip_attention_q",
+        input_names=["q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases", "slot_seq", "q_seq", "tiles",
+                     "dims", "scale"],
+        source=ATTENTION_Q_BODY,
+        header=metal_source("tile_skip_attention_q"),
+        inputs=[q, *k, *v, *rest],
+        template=[("TQ", q.dtype), ("TS", k[1].dtype), ("D", q.shape[3]), ("TILE", plan.tile),
+                  *[(n, val) for n, val in spec["template"] if n in ("NQ", "NS")], ("BITS", bits),
+                  ("GROUP", group_size)],
+    )
+    return spec
+
+
+def metal_attention_q(q: mx.array, k: QTriple, v: QTriple, plan: TilePlan, scale: float, *, group_size: int,
+                      bits: int) -> mx.array:
+    from .attention import merge_partials, run_metal_spec
+
+    if plan.n_tiles == 0 or q.shape[2] == 0:
+        return mx.zeros(q.shape, q.dtype)
+    o_part, lse_part = run_metal_spec(metal_attention_q_spec(q, k, v, plan, scale, group_size=group_size,
+                                                             bits=bits))
+    return merge_partials(o_part, lse_part).reshape(q.shape).astype(q.dtype)

@@ -64,3 +64,29 @@ def test_cli_writes_json(tmp_path, monkeypatch):
     assert {r["layout"] for r in res["rows"]} == {"full", "native", "omnipage", "eager"}
     assert png.stat().st_size > 0
     assert main(["bench", "attention", "--history", "x"]) == 2
+
+
+def test_bench_quantised_rows_and_kv_held():
+    """--kv-bits: every tile-skip row also carries the quantised timings (keys as written and keys with a pending
+    shift); bytes per token count scales and biases; the KV a simulated stream holds shrinks with them."""
+    from omnitide_mlx.bench.kv_quant import kv_bytes_per_token, kv_held
+    from omnitide_mlx.models.stream_units import resolve_profile
+
+    cp = ba.checkpoints("minicpm-o-4.5", [2048])[0]
+    rows = ba.bench_checkpoint(cp, q_heads=4, kv_heads=2, head_dim=32, chunk=40, reps=1, kv_quant=(4, 32))
+    for r in rows:
+        if r["layout"] == "full":
+            assert "kv_quant" not in r
+        else:
+            q = r["kv_quant"]
+            assert q["bits"] == 4 and q["median_ms"] > 0 and q["shifted_median_ms"] > 0
+            assert q["ratio_to_float"] == pytest.approx(q["median_ms"] / r["median_ms"], rel=1e-2)
+    assert "| 2048 | decode | omnipage |" in ba.quant_markdown({"kv_quant": {"bits": 4}, "rows": rows})
+    prof = resolve_profile("qwen2.5-omni-7b", None)
+    assert kv_bytes_per_token(prof, None) == 57344  # 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes
+    assert kv_bytes_per_token(prof, 4, 64) == 2 * 28 * 4 * (64 + 2 * 2 * 2)
+    held = kv_held(prof, 3000, [(None, None), (8, 64), (4, 64)], high=1000, low=700)
+    by = {r["kv_bits"]: r for r in held["rows"]}
+    assert held["slots"]["retained"] <= 1000
+    assert by[4]["retained_gib"] == pytest.approx(by[None]["retained_gib"] * 72 / 256, rel=1e-3)
+    assert by[4]["capacity_gib"] < by[8]["capacity_gib"] < by[None]["capacity_gib"]
