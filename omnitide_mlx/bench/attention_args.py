@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per row (default: by duration)")
     p.add_argument("--sdpa-max-history", type=int, default=16384,
                    help="also time mx.fast SDPA for dense prefill up to this history (it is always timed for decode)")
+    p.add_argument("--path", choices=["auto", "reference", "vector", "gather", "dense"], default="auto",
+                   help="MLX: the tile-skip rows' attention path; auto (default) = the dispatcher's choice "
+                        "(reference off Metal), else forced (vector: the Metal kernel; gather / dense: fused SDPA)")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
                    help="also time every tile-skip row on K/V quantised to this many bits (side by side), and report "
                         "KV bytes per token and the KV a long simulated stream holds")
