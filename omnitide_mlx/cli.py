@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "bench": "omnitide_mlx.commands.bench",
     "convert": "omnitide_mlx.commands.convert",
+    "doctor": "omnitide_mlx.commands.doctor",
     "eval": "omnitide_mlx.commands.eval",
     "generate": "omnitide_mlx.commands.generate",
     "serve": "omnitide_mlx.commands.serve",

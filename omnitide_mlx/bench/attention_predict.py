@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.layout_checkpoints import Q_HEADS
 from ..core.page import AllocClass
-from ..core.profiles import get_profile
+from ..models.stream_units import resolve_profile
 from ..core.sim import LAYOUT_NAMES
 from ..kernels import cost
 from ..kernels.attention import TilePlan, plan_tiles
@@ -46,8 +45,8 @@ def layout_cases(shape: str, histories: list[int], *, dtype_bytes: int = 2, layo
     """The benchmark's rows (both phases, every layout) at each checkpoint, ready to price or to run."""
     from .attention import checkpoints
 
-    prof = get_profile(shape)
-    hq, hkv, d = Q_HEADS[prof.name], prof.kv_heads, prof.head_dim
+    prof = resolve_profile(shape)
+    hq, hkv, d = prof.q_heads, prof.kv_heads, prof.head_dim
     out = []
     for cp in checkpoints(prof, histories, policy=policy, seed=seed):
         for phase, t in (("prefill", prof.media_unit_tokens), ("decode", 1)):

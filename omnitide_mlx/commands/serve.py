@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 
-from .stream import add_model_arguments, add_policy_arguments
+from .options import add_model_arguments, add_policy_arguments, resolve_watermarks
 
 HELP = "serve a model over HTTP / WebSocket (OpenAI-compatible API, streaming sessions, a live page)"
 DESCRIPTION = """Serve one model to apps and browsers: POST /v1/chat/completions (OpenAI-compatible, SSE with
@@ -56,13 +56,12 @@ def config_from_args(args):
     limits = Limits(max_sessions=args.max_sessions, max_message_bytes=parse_bytes(args.max_message_bytes),
                     max_frame_pixels=args.max_frame_pixels, max_queued=args.max_queued,
                     max_tokens=args.max_tokens_limit, idle_timeout_s=args.idle_timeout)
+    high, low = resolve_watermarks(args)
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, token=args.token,
                       allow_origins=args.allow_origin, allow_hosts=args.allow_host, session_dir=args.session_dir,
-                      policy=args.policy, high=args.high, low=args.low, kv_budget=args.kv_budget,
+                      policy=args.policy, high=high, low=low, kv_budget=args.kv_budget,
                       system_prompt=args.system_prompt, default_max_tokens=args.max_tokens, limits=limits)
     cfg.check()
-    if args.kv_budget is not None:
-        parse_bytes(args.kv_budget)
     if args.max_tokens < 1 or args.max_tokens > args.max_tokens_limit:
         raise ValueError(f"--max-tokens {args.max_tokens} must lie in [1, --max-tokens-limit {args.max_tokens_limit}]")
     return cfg

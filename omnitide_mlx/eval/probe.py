@@ -18,16 +18,32 @@ from ..core.units import History, Span, SpanKind, Unit, UnitKind
 from ..models.base import text_positions
 
 
-class RetentionRecorder:
-    """A policy that behaves exactly like ``policy`` and remembers each unit's retained original token indices."""
+class RetentionRecorder(RetentionPolicy):
+    """A policy that behaves exactly like ``policy`` and remembers each unit's retained original token indices.
+    (A RetentionPolicy itself, so a session takes it where it takes a policy instance; everything reads through.)"""
 
-    def __init__(self, policy: RetentionPolicy):
+    def __init__(self, policy: RetentionPolicy):  # no super().__init__: every setting is the wrapped policy's
         self.policy = policy
         self.kept: dict[int, np.ndarray] = {}  # uid -> original token indices still in the cache
         self.plans = 0
 
-    def __getattr__(self, name):  # name, high, low, layout, needs_scores, config, keep_mask
+    def __getattr__(self, name):  # knobs of the wrapped policy (recent_units, sink, ...)
+        if name == "policy":
+            raise AttributeError(name)
         return getattr(self.policy, name)
+
+    name = property(lambda self: self.policy.name)
+    high = property(lambda self: self.policy.high)
+    low = property(lambda self: self.policy.low)
+    layout = property(lambda self: self.policy.layout)
+    needs_scores = property(lambda self: self.policy.needs_scores)
+    positions = property(lambda self: self.policy.positions)
+
+    def keep_mask(self, history: History, scores=None) -> np.ndarray:
+        return self.policy.keep_mask(history, scores)
+
+    def config(self) -> dict:
+        return self.policy.config()
 
     def plan(self, history: History, scores=None) -> RetentionPlan | None:
         for u in history:

@@ -19,6 +19,7 @@ matrix and skip the tiles no query of the block can see yet (causal skipping ins
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -394,8 +395,25 @@ def _metal_kernel(name, input_names, output_names, source, header):
                                 source=source, header=header)
 
 
+_SPEC_RUNNER = None  # metal_runner(): where Metal specs run instead of mx.fast.metal_kernel (None: on the GPU)
+
+
+@contextlib.contextmanager
+def metal_runner(fn):
+    """Run every Metal kernel call inside the block with ``fn(spec) -> outputs`` (``omnitide doctor`` runs the
+    kernels in tests/metal_check's CPU emulator this way where there is no GPU)."""
+    global _SPEC_RUNNER
+    previous, _SPEC_RUNNER = _SPEC_RUNNER, fn
+    try:
+        yield
+    finally:
+        _SPEC_RUNNER = previous
+
+
 def run_metal_spec(spec: dict) -> list[mx.array]:
     """Build (cached) and call the kernel a spec describes."""
+    if _SPEC_RUNNER is not None:
+        return _SPEC_RUNNER(spec)
     kernel = _metal_kernel(*(tuple(spec[k]) if isinstance(spec[k], list) else spec[k] for k in _KERNEL_KEYS))
     call = {k: v for k, v in spec.items() if k not in _KERNEL_KEYS}
     return kernel(**call)

@@ -111,15 +111,15 @@ def run_path(path: str, q, k_buf, v_buf, plan, scale: float) -> mx.array:
     raise KernelPathError(f"unknown path {path!r}")
 
 
-def calibration_case(key: tuple, seed: int = 0):
-    """A small random call of a shape: 2,048 slots (a quarter of the tiles unlisted, holes in the rest), 256
-    queries for prefill or 1 for decode. Returns (q, k, v, plan)."""
+def calibration_case(key: tuple, seed: int = 0, queries: int = 256):
+    """A small random call of a shape: 2,048 slots (a quarter of the tiles unlisted, holes in the rest),
+    ``queries`` queries for prefill or 1 for decode. Returns (q, k, v, plan)."""
     from .attention import plan_tiles
 
     phase, hq, hkv, d, dtype, tile = key
     rng = np.random.default_rng(seed)
     cap = 2048
-    t = 256 if phase == "prefill" else 1
+    t = queries if phase == "prefill" else 1
     seq = np.full(cap, -1)
     slots = rng.permutation(cap - t)
     n_hist = int(0.6 * (cap - t))

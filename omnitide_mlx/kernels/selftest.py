@@ -55,26 +55,45 @@ def _name(dtype) -> str:
 
 def small_case(dtype, d: int, tile: int, seed: int = 0):
     """A few-millisecond case: 1 KV head, 2 query heads, 4 tiles (one unlisted, holes in the others), a 3-token
-    chunk whose first query precedes every stored serial (it sees nothing); decode tiles get a 1-token query."""
+    causal chunk whose first query precedes every stored serial (it sees nothing)."""
     from .attention import plan_tiles
 
     rng = np.random.default_rng(seed)
     cap = 4 * tile
     seq = np.full(cap, -1)
-    t = 3 if tile >= 64 else 1
+    t = 3
     n = cap // 2
     slots = rng.permutation(cap)
     seq[slots[:n]] = 1 + np.arange(n)
     seq[slots[n:n + t]] = n + 1 + np.arange(t)
     tiles = np.array([0, 2, 3])
     qs = n + 1 + np.arange(t)
-    if t > 1:
-        qs[0] = 0  # precedes every stored serial
+    qs[0] = 0  # precedes every stored serial
     dt = getattr(mx, _name(dtype))
     q = mx.array(rng.standard_normal((1, 2, t, d)).astype(np.float32)).astype(dt)
     k = mx.array(rng.standard_normal((1, 1, cap, d)).astype(np.float32)).astype(dt)
     v = mx.array(rng.standard_normal((1, 1, cap, d)).astype(np.float32)).astype(dt)
     return q, k, v, plan_tiles(seq, qs, tiles, tile)
+
+
+def float64_attention(q, k, v, plan, scale: float) -> np.ndarray:
+    """The contract in float64 numpy (the reference's own check; tests/kernels has the full oracle)."""
+    qn, kn, vn = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (q, k, v))
+    _, hq, t, _ = qn.shape
+    g = hq // kn.shape[1]
+    listed = np.zeros(plan.capacity, bool)
+    for ti in plan.tiles:
+        listed[ti * plan.tile:(ti + 1) * plan.tile] = True
+    seq = np.array(plan.slot_seq).astype(np.int64)
+    out = np.zeros_like(qn)
+    for i, qs in enumerate(plan.q_seq_np):
+        vis = listed & (seq >= 0) & (seq <= qs)
+        if vis.any():
+            for h in range(hq):
+                sc = kn[0, h // g][vis] @ qn[0, h, i] * scale
+                p = np.exp(sc - sc.max())
+                out[0, h, i] = (p / p.sum()) @ vn[0, h // g][vis]
+    return out
 
 
 def run_self_test(path: str, dtype, d: int, tile: int) -> SelfTest:
@@ -86,14 +105,18 @@ def run_self_test(path: str, dtype, d: int, tile: int) -> SelfTest:
     t0 = time.perf_counter()
     err, max_err = None, None
     try:
-        q, k, v, plan = small_case(dtype, d, tile)
+        q, k, v, plan = small_case(dtype, d, tile or 64)  # page_compact (tile 0) only uses its K / V
         if path == "page_compact":
             from .compact import _metal_page_compact
 
-            src = np.array([3 * tile - 1, 0, tile + 1, 2])
+            src = np.array([k.shape[2] - 1, 0, k.shape[2] // 2 + 1, 2])
             got = _metal_page_compact(k, v, src)
             want = page_compact_reference(k, v, src)
             max_err = max(float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) for a, b in zip(got, want))
+        elif path == "reference":  # the reference itself, against float64 numpy
+            got = reference_attention(q, k, v, plan, d ** -0.5)
+            want = float64_attention(q, k, v, plan, d ** -0.5)
+            max_err = float(np.abs(np.array(got.astype(mx.float32)).astype(np.float64) - want).max())
         else:
             from .dispatch import run_path
 

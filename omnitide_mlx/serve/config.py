@@ -31,7 +31,7 @@ class ServeConfig:
     policy: str = "omnitide"
     high: int | None = None
     low: int | None = None
-    kv_budget: str | None = None
+    kv_budget: str | int | None = None  # bytes, or a size such as '512MiB'
     system_prompt: str | None = None
     default_max_tokens: int = 256
     limits: Limits = field(default_factory=Limits)

@@ -120,8 +120,8 @@ def test_settings_cover_the_variants_in_priority_order():
 
 
 def test_perplexity_and_drift_commands_end_to_end(tiny_path, tmp_path):
-    args = ["eval", "study", "--experiment", "perplexity", "--gguf", str(tiny_path), "--tokens", "400",
-            "--watermarks", "150/110"]
+    args = ["eval", "study", "--experiment", "perplexity", "--gguf", str(tiny_path), "--tokens", "1500",
+            "--watermarks", "500/360"]
     assert main(args + ["--out", str(tmp_path / "a")]) == 0
     assert main(args + ["--out", str(tmp_path / "b")]) == 0
     a = json.loads((tmp_path / "a" / "results.json").read_text())
@@ -130,20 +130,20 @@ def test_perplexity_and_drift_commands_end_to_end(tiny_path, tmp_path):
         r.pop("seconds")
     assert a["results"] == b["results"]  # deterministic
     res = a["results"]
-    assert len(res) == 13 and res["full"]["evictions"] == 0 and res["token@150-110"]["evictions"] >= 2
-    assert res["token+positions=keep@150-110"]["max_position"] > res["token@150-110"]["max_position"]
-    assert all(r["tokens"] >= 400 for k, r in res.items() if k != "full")
-    assert "| b | token sliding | 150/110 | keep |" in (tmp_path / "a" / "table.md").read_text()
+    assert len(res) == 13 and res["full"]["evictions"] == 0 and res["token@500-360"]["evictions"] >= 2
+    assert res["token+positions=keep@500-360"]["max_position"] > res["token@500-360"]["max_position"]
+    assert all(r["tokens"] >= 1500 for k, r in res.items() if k != "full")
+    assert "| b | token sliding | 500/360 | keep |" in (tmp_path / "a" / "table.md").read_text()
     assert main(["eval", "study", "--experiment", "perplexity", "--gguf", str(tiny_path), "--policy", "h2o",
                  "--out", str(tmp_path / "c")]) == 1
 
     out = tmp_path / "drift"
     assert main(["eval", "study", "--experiment", "drift", "--gguf", str(tiny_path), "--units", "30",
-                 "--watermarks", "120/120", "--checkpoints", "0,10,20", "--out", str(out)]) == 0
+                 "--watermarks", "300/300", "--checkpoints", "0,5,15", "--out", str(out)]) == 0
     doc = json.loads((out / "drift.json").read_text())
-    assert doc["evictions"] >= 25 and [c["evictions"] for c in doc["checkpoints"]] == [0, 10, 20]
+    assert doc["evictions"] >= 20 and [c["evictions"] for c in doc["checkpoints"]] == [0, 5, 15]
     first = doc["checkpoints"][0]  # before any eviction the recompute is the session's own history
     assert first["max_abs_logit_diff_float32"] < 1e-3 and first["max_abs_logit_diff_float16"] < 0.1
     for c in doc["checkpoints"]:
         assert abs(c["nll_float16"] - c["nll_float32"]) / c["scored"] < 0.05
-    assert "| 20 |" in (out / "drift.md").read_text()
+    assert "| 15 |" in (out / "drift.md").read_text()

@@ -72,6 +72,7 @@ def generated_source(spec: dict) -> str:
         os.close(saved)
     tmp.seek(0)
     out = tmp.read().decode()
+    tmp.close()
     m = re.search(r"```\n(.*)\n```", out, re.S)
     if not m:
         raise RuntimeError("could not capture the generated source:\n" + out)
