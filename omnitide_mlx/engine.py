@@ -958,7 +958,7 @@ class StreamingSession:
         if cut is not None:
             r.stopped = True
             return self._finish_reply(r)
-        return self._emit(r, text)
+        return self._emit(r, text[:len(text) - _partial_stop(text, r.sampling.stop)])
 
     def _emit(self, r: _Reply, text: str) -> str:
         if text.endswith("\ufffd") or len(text) <= len(r.emitted):
@@ -1064,6 +1064,18 @@ def _check_text(text) -> str:
     if not text.strip():
         raise MediaError("text is empty")
     return text
+
+
+def _partial_stop(text: str, stop) -> int:
+    """Length of the longest end of ``text`` that begins a stop string: held back until the next token says
+    whether the stop string follows, so a stop string is never printed in part."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
 
 
 def _stop_index(text: str, stop) -> int | None:
