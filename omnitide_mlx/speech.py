@@ -213,3 +213,59 @@ def spoken_reply(session, ask, question: str, speech: Speech, options: SpeechOpt
     finally:
         state["stream"] = None  # the talker's KV cache goes with the reply
         session._hidden = None
+
+
+# --- output: wav files and playback ------------------------------------------------------------------------------
+
+class WavWriter:
+    """A 16-bit mono wav written chunk by chunk (stdlib ``wave``: no dependency); the header is final at close."""
+
+    def __init__(self, path, sample_rate: int):
+        import wave
+
+        self.path = path
+        self.sample_rate = sample_rate
+        self.samples = 0
+        self._w = wave.open(str(path), "wb")
+        self._w.setnchannels(1)
+        self._w.setsampwidth(2)
+        self._w.setframerate(sample_rate)
+
+    def write(self, chunk: AudioChunk) -> None:
+        if chunk.pcm.size:
+            self._w.writeframes(chunk.int16().tobytes())
+            self.samples += chunk.pcm.shape[0]
+
+    def close(self) -> None:
+        self._w.close()
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.sample_rate
+
+
+class Player:
+    """Plays audio chunks as they come through ``sounddevice`` (the ``speech`` extra); ``Player.open()`` returns
+    None where it is not installed or there is no output device (headless: the wav files are the output)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    @classmethod
+    def open(cls, sample_rate: int) -> "Player | None":
+        try:
+            import sounddevice as sd
+
+            stream = sd.OutputStream(samplerate=sample_rate, channels=1, dtype="float32")
+            stream.start()
+        except Exception:  # not installed, no PortAudio, no device
+            return None
+        return cls(stream)
+
+    def play(self, chunk: AudioChunk) -> None:
+        if chunk.pcm.size:
+            self._stream.write(chunk.pcm.reshape(-1, 1))
+
+    def close(self) -> None:
+        self._stream.stop()
+        self._stream.close()
