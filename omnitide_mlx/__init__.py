@@ -17,6 +17,7 @@ _LAZY = {
     "SessionBusyError": ("omnitide_mlx.errors", "SessionBusyError"),
     "InputTooLargeError": ("omnitide_mlx.errors", "InputTooLargeError"),
     "RestoreError": ("omnitide_mlx.errors", "RestoreError"),
+    "SamplingError": ("omnitide_mlx.errors", "SamplingError"),
     "CheckpointError": ("omnitide_mlx.models.loading", "CheckpointError"),
     "OmniTide": ("omnitide_mlx.core.pick", "OmniTide"),
     "OmniPick": ("omnitide_mlx.core.pick", "OmniPick"),

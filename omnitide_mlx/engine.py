@@ -39,7 +39,7 @@ from .core.page import MigrationPlanner
 from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
 from .core.sim import make_layout
 from .core.units import History, SpanKind, Unit, UnitKind
-from .errors import InputTooLargeError, MediaError, RestoreError, SessionBusyError, SessionError
+from .errors import InputTooLargeError, MediaError, RestoreError, SamplingError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
 
@@ -96,6 +96,39 @@ class Sampling:
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        """Check every option (SamplingError) and take ``stop`` as one string or a list of strings."""
+        def number(name, v, lo, hi=math.inf, *, integer=False):
+            ok = (not isinstance(v, bool) and isinstance(v, (int, np.integer) if integer else (int, float, np.number))
+                  and math.isfinite(float(v)) and lo <= v <= hi)
+            if not ok:
+                span = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+                raise SamplingError(f"{name} must be {'an int' if integer else 'a number'} {span}, got {v!r}")
+
+        number("max_tokens", self.max_tokens, 1, integer=True)
+        number("temp", self.temp, 0.0)
+        number("top_p", self.top_p, 0.0, 1.0)
+        number("min_p", self.min_p, 0.0, 1.0)
+        number("top_k", self.top_k, 0, integer=True)
+        if self.repetition_penalty is not None:
+            number("repetition_penalty", self.repetition_penalty, 1e-6)
+        if self.seed is not None:
+            number("seed", self.seed, 0, 2**63 - 1, integer=True)
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):  # one stop string, not its characters
+            stop = (stop,)
+        else:
+            try:
+                stop = tuple(stop)
+            except TypeError:
+                raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}") from None
+        bad = [x for x in stop if not isinstance(x, str) or not x]
+        if bad:
+            raise SamplingError(f"stop must hold non-empty strings, got {bad[0]!r}")
+        self.stop = stop
 
 
 @dataclass
@@ -352,7 +385,7 @@ class StreamingSession:
             frame=as_rgb_frame(frame) if frame is not None else None,
             audio=as_mono_audio(audio, sample_rate) if audio is not None else None,
             text=_check_text(text) if text else None,
-            t=float(t) if t is not None else None,
+            t=_check_time(t),
         )
         with self._inbox_lock:
             self._inbox.append(pending)
@@ -377,7 +410,7 @@ class StreamingSession:
     # --- consumer side --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
             top_k: int = 0, repetition_penalty: float | None = None, seed: int | None = None,
-            stop: list[str] | None = None) -> Iterator[str]:
+            stop: str | list[str] | None = None) -> Iterator[str]:
         """Ask a question about everything streamed so far; returns the reply as an iterator of text pieces.
 
         Sampling options follow mlx-lm (``temp`` 0 is greedy). The question and the reply become units of the
@@ -386,9 +419,7 @@ class StreamingSession:
         Closing the iterator (or dropping it) ends the reply; pushes made meanwhile are processed then.
         """
         question = _check_text(question)
-        if max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, tuple(stop or ()))
+        sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, stop)
 
         def reply() -> Iterator[str]:
             r = _Reply(question, sampling)
@@ -913,7 +944,7 @@ class StreamingSession:
         if cut is not None:
             r.stopped = True
             return self._finish_reply(r)
-        return self._emit(r, text)
+        return self._emit(r, text[:len(text) - _partial_stop(text, r.sampling.stop)])
 
     def _emit(self, r: _Reply, text: str) -> str:
         if text.endswith("\ufffd") or len(text) <= len(r.emitted):
@@ -1001,12 +1032,35 @@ def _model_ref(model) -> str:
     return str(p.resolve()) if p.exists() else os.fspath(model)
 
 
+def _check_time(t) -> float | None:
+    """A chunk's stream time: None, or a finite number of seconds >= 0 (not a string, not a bool)."""
+    if t is None:
+        return None
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise MediaError(f"t must be a number of seconds, got {t!r}")
+    if not math.isfinite(float(t)) or t < 0:
+        raise MediaError(f"t must be a finite number of seconds >= 0, got {t!r}")
+    return float(t)
+
+
 def _check_text(text) -> str:
     if not isinstance(text, str):
         raise MediaError(f"text must be a string (got {type(text).__name__})")
     if not text.strip():
         raise MediaError("text is empty")
     return text
+
+
+def _partial_stop(text: str, stop) -> int:
+    """Length of the longest end of ``text`` that begins a stop string: held back until the next token says
+    whether the stop string follows, so a stop string is never printed in part."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
 
 
 def _stop_index(text: str, stop) -> int | None:

@@ -24,3 +24,8 @@ class InputTooLargeError(MediaError):
 class RestoreError(SessionError, ValueError):
     """A saved session that cannot be restored: a missing, truncated or malformed file (the message names it), an
     unknown format version, or a model of another family or size than the one it was saved with."""
+
+
+class SamplingError(ValueError):
+    """A sampling option out of its range (``temp`` < 0, ``top_p`` outside [0, 1], ``max_tokens`` < 1, a ``stop`` that is
+    not strings, ...). Raised by ``ask`` before anything is computed."""

@@ -36,6 +36,18 @@ class Chunk:
 
 
 # --- validation --------------------------------------------------------------------------------------------------
+AUDIO_PEAK_LIMIT = 2.0  # float audio beyond +-2 is a scaling mistake (int16 values as floats), not a loud sound
+
+
+def _mlx_to_numpy(x) -> np.ndarray:
+    """An MLX array as numpy; bfloat16 (which numpy lacks) goes through float32."""
+    import mlx.core as mx
+
+    if x.dtype == mx.bfloat16:
+        x = x.astype(mx.float32)
+    return np.array(x)
+
+
 def as_rgb_frame(frame, name: str = "frame") -> np.ndarray:
     """An image as ``HxWx3`` uint8 RGB: accepts numpy (uint8 or float in [0, 1]), PIL images and MLX arrays."""
     if frame is None:
@@ -43,7 +55,7 @@ def as_rgb_frame(frame, name: str = "frame") -> np.ndarray:
     if hasattr(frame, "convert") and hasattr(frame, "size"):  # PIL
         frame = np.asarray(frame.convert("RGB"))
     elif type(frame).__module__.startswith("mlx"):
-        frame = np.array(frame)
+        frame = _mlx_to_numpy(frame)
     arr = np.asarray(frame)
     if arr.ndim == 2:
         arr = np.repeat(arr[:, :, None], 3, axis=2)
@@ -77,8 +89,12 @@ def as_mono_audio(audio, sample_rate: int | None, name: str = "audio") -> np.nda
     if sr != sample_rate or sr < 1000 or sr > 384000:
         raise MediaError(f"{name}: unusable sample rate {sample_rate!r} Hz (expected 1 kHz to 384 kHz)")
     if type(audio).__module__.startswith("mlx"):
-        audio = np.array(audio)
+        audio = _mlx_to_numpy(audio)
     a = np.asarray(audio)
+    if np.iscomplexobj(a):
+        raise MediaError(f"{name} holds complex samples; expected real samples (take .real or abs() first)")
+    if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+        raise MediaError(f"{name} has dtype {a.dtype}; expected int or float samples")
     if a.ndim == 2:
         a = a.mean(axis=1) if a.shape[1] <= 8 else a.mean(axis=0)  # [n, ch] or [ch, n]
     if a.ndim != 1:
@@ -90,6 +106,12 @@ def as_mono_audio(audio, sample_rate: int | None, name: str = "audio") -> np.nda
     a = a.astype(np.float32)
     if not np.isfinite(a).all():
         raise MediaError(f"{name} holds NaN or infinite samples")
+    peak = float(np.abs(a).max())
+    if peak > AUDIO_PEAK_LIMIT:
+        raise MediaError(f"{name}: float samples must lie in [-1, 1], the peak is {peak:.4g} (integer PCM passed as "
+                         "floats? divide by 32768)")
+    if peak > 1.0:
+        a = np.clip(a, -1.0, 1.0)  # an overshoot of a resampler or a mixer: clipped, as a sound card would
     return resample(a, sr, SAMPLE_RATE) if sr != SAMPLE_RATE else a
 
 
