@@ -327,6 +327,8 @@ class StreamingSession:
     def _init_stream_state(self) -> None:
         self._lock = threading.Lock()  # the engine: held for one bounded piece of work, never across a yield
         self._holder: int | None = None  # the thread holding it (a call from that thread would wait for itself)
+        self._waiting = 0  # callers blocked on the lock; queued work then waits for them (Python locks are unfair:
+        self._waiting_lock = threading.Lock()  # a producer pushing flat out starved questions, 23 in 2,000 units)
         self._open: _Reply | None = None  # the reply being decoded; units wait for it to end
         self._flush_requested = False
         self._inbox_lock = threading.Lock()
@@ -448,8 +450,14 @@ class StreamingSession:
         return "".join(self.ask(question, **kwargs))
 
     # --- introspection ----------------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Chunks pushed and not yet turned into units (a capture loop that outruns the model sees this grow)."""
+        with self._inbox_lock:
+            return len(self._inbox)
+
     def stats(self) -> dict:
-        with self._engine(settle=False, read=True):
+        with self._engine(read=True):
             layout = self.cache.layout_stats()
             c = self.counters
             return {
@@ -667,12 +675,19 @@ class StreamingSession:
                 return
             raise SessionError("the session was called from inside its own update (an on_update callback?): "
                                "push() from there queues; flush(), ask() and save() must wait until it returns")
-        with self._lock:
-            self._holder = me
-            try:
-                yield
-            finally:
-                self._holder = None
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+        self._holder = me
+        try:
+            yield
+        finally:
+            self._holder = None
+            self._lock.release()
         if settle:
             self._settle()
 
@@ -681,6 +696,8 @@ class StreamingSession:
         otherwise leave it to whoever holds the engine, who settles after letting go. Never blocks."""
         records: list[UpdateRecord] = []
         while self._has_work():
+            if self._waiting:  # a caller waits for the engine (a question): it processes the queue first anyway
+                return records
             if not self._lock.acquire(blocking=False):
                 return records
             self._holder = threading.get_ident()
