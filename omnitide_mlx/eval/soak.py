@@ -208,7 +208,7 @@ def engine_soak(units: int = 2000, *, model: str | None = None, question_every: 
     def produce() -> None:
         try:
             for k in range(units):
-                while session.queued > 2:  # as fast as the model goes, not faster (a capture loop at its pace)
+                while session.queued > 2 and not pushed.is_set():  # as fast as the model goes, not faster
                     time.sleep(0.002)
                 frame, audio = chunks[k % len(chunks)]
                 session.push(frame=frame, audio=audio, t=float(k))
@@ -225,7 +225,9 @@ def engine_soak(units: int = 2000, *, model: str | None = None, question_every: 
             open_reply = None
             i = 0
             while not pushed.is_set():
-                if progress_at["pushed"] < (i + 1) * question_every:
+                # a reply left open is superseded by the next question at once ("stop and ask again"); while it
+                # is open the session queues pushes, so waiting for more pushes here would wait forever
+                if open_reply is None and progress_at["pushed"] < (i + 1) * question_every:
                     time.sleep(0.005)
                     continue
                 i += 1
