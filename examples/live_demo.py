@@ -7,6 +7,10 @@ A capture thread pushes one chunk a second (a frame plus its second of audio) wh
 questions from the terminal (or takes them from --ask at their times) and prints the answers as they stream.
 The KV footprint is printed after every update, so you can watch it stay flat once retention kicks in.
 Microphone input needs the optional package sounddevice (``pip install sounddevice``).
+
+``--speak`` answers in speech too (a Qwen2.5-Omni checkpoint with its talker): every answer is written to
+``--audio-out`` as a wav, and played as it is generated when sounddevice and an output device are there
+(``pip install 'omnitide-mlx[speech]'``; a headless run only writes the files).
 """
 
 from __future__ import annotations
@@ -46,6 +50,40 @@ def capture_loop(session: OmniSession, args, stop: threading.Event, clock: dict)
         clock["done"] = True
 
 
+def ask(session: OmniSession, q: str, args, n: int):
+    """The answer's text pieces; with --speak its audio is written to a wav (and played) as it comes."""
+    if not args.speak:
+        yield from session.ask(q, max_tokens=args.max_tokens)
+        return
+    from pathlib import Path
+
+    from omnitide_mlx.speech import AudioChunk, Player, SpeechOptions, WavWriter
+
+    path = Path(args.audio_out) / f"answer_{n:02d}.wav"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = player = None
+    try:
+        for item in session.ask(q, max_tokens=args.max_tokens, speak=True, speech=SpeechOptions(speaker=args.speaker)):
+            if not isinstance(item, AudioChunk):
+                yield item
+                continue
+            if item.note:
+                print(f"\n({item.note})", file=sys.stderr)
+            if writer is None and item.pcm.size:
+                writer = WavWriter(path, item.sample_rate)
+                player = Player.open(item.sample_rate) if not args.source else None  # headless: files only
+            if writer is not None:
+                writer.write(item)
+            if player is not None:
+                player.play(item)
+    finally:
+        if player is not None:
+            player.close()
+        if writer is not None:
+            writer.close()
+            print(f"\n(spoken answer: {path}, {writer.seconds:.2f} s)", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -62,6 +100,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
                    help="scripted question at T seconds (for headless runs); otherwise type questions")
+    p.add_argument("--speak", action="store_true", help="answer in speech too (wav files, played when possible)")
+    p.add_argument("--speaker", default=None, help="the voice (Chelsie or Ethan in the released models)")
+    p.add_argument("--audio-out", default="answers", help="folder for the spoken answers (default ./answers)")
     args = p.parse_args(argv)
 
     def show(rec):
@@ -90,6 +131,7 @@ def main(argv=None) -> int:
 
         threading.Thread(target=read_stdin, daemon=True).start()
 
+    answered = 0
     try:
         while not stop.is_set():
             while scripted and scripted[0][0] <= clock["t"]:
@@ -103,7 +145,8 @@ def main(argv=None) -> int:
                     questions.put(scripted.pop(0)[1])
                 continue
             print(f"\nQ: {q}\nA: ", end="", flush=True)
-            for piece in session.ask(q, max_tokens=args.max_tokens):
+            answered += 1
+            for piece in ask(session, q, args, answered):
                 print(piece, end="", flush=True)
             print(flush=True)
     except KeyboardInterrupt:

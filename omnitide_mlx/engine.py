@@ -156,6 +156,7 @@ class _Reply:
     stopped: bool = False
     done: bool = False  # finished: the unit is in the history and nothing more is decoded
     abandoned: bool = False  # its iterator was closed or dropped before the end
+    on_forward: Callable | None = None  # (input ids, embeddings, hidden states) of the question and each fed token
 
 
 RESERVE_PAGES = 2  # a KV budget's high watermark sits this many pages under its ceiling (see watermarks_for_budget)
@@ -330,6 +331,7 @@ class StreamingSession:
         self._waiting = 0  # callers blocked on the lock; queued work then waits for them (Python locks are unfair:
         self._waiting_lock = threading.Lock()  # a producer pushing flat out starved questions, 23 in 2,000 units)
         self._open: _Reply | None = None  # the reply being decoded; units wait for it to end
+        self._capture_hidden = False  # keep the last forward's hidden states (a reply with on_forward)
         self._flush_requested = False
         self._inbox_lock = threading.Lock()
         self._inbox: deque[_Pending] = deque()
@@ -360,6 +362,11 @@ class StreamingSession:
 
     def _eval(self, *arrays) -> None:
         raise NotImplementedError
+
+    def _captured_hidden(self):
+        """The final-norm hidden states ``[T, hidden]`` of the last ``_forward`` while ``_capture_hidden`` is set
+        (None from a backend that does not keep them)."""
+        return None
 
     def _sampler(self, sampling: Sampling) -> Callable[[Any, list[int]], int]:
         """A function ``(logits, generated ids) -> next id``."""
@@ -412,19 +419,21 @@ class StreamingSession:
     # --- consumer side --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
             top_k: int = 0, repetition_penalty: float | None = None, seed: int | None = None,
-            stop: str | list[str] | None = None) -> Iterator[str]:
+            stop: str | list[str] | None = None, on_forward: Callable | None = None) -> Iterator[str]:
         """Ask a question about everything streamed so far; returns the reply as an iterator of text pieces.
 
         Sampling options follow mlx-lm (``temp`` 0 is greedy). The question and the reply become units of the
         history. Queued pushes are processed first, so the answer sees them. One reply at a time: asking again
         (from any thread) ends the open reply where it is, as a stop button would, and its iterator then ends.
         Closing the iterator (or dropping it) ends the reply; pushes made meanwhile are processed then.
+        ``on_forward(ids, embeds, hidden)`` is called for the question unit and for every reply token fed back,
+        with the backend's final-norm hidden states of those tokens (spoken replies read them; see speech.py).
         """
         question = _check_text(question)
         sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, stop)
 
         def reply() -> Iterator[str]:
-            r = _Reply(question, sampling)
+            r = _Reply(question, sampling, on_forward=on_forward)
             try:
                 with self._engine(settle=False):
                     if self._open is not None:
@@ -929,9 +938,12 @@ class StreamingSession:
 
     def _begin_reply(self, r: _Reply) -> None:
         """Prefill the question as a unit and open the reply (its tokens will belong to the next uid)."""
-        self._unit(self.adapter.user_unit(r.question, self.history.next_position()),
-                   reserve=r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None else 0,
-                   question=True)
+        prepared = self.adapter.user_unit(r.question, self.history.next_position())
+        self._capture_hidden = r.on_forward is not None
+        self._unit(prepared, reserve=r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None
+                   else 0, question=True)
+        if r.on_forward is not None:
+            r.on_forward(prepared.input_ids, prepared.inputs_embeds, self._captured_hidden())
         r.logits = self._last_logits
         r.sample = self._sampler(r.sampling)
         r.uid = self.history.next_uid()
@@ -952,8 +964,10 @@ class StreamingSession:
                 return self._finish_reply(r)
             r.generated.append(token)
             axes = self.adapter.kv_spec.position_axes
-            r.logits = self._forward(self.adapter.embed_tokens([token]),
-                                     text_positions(r.start + len(r.generated) - 1, 1, axes))
+            embeds = self.adapter.embed_tokens([token])
+            r.logits = self._forward(embeds, text_positions(r.start + len(r.generated) - 1, 1, axes))
+            if r.on_forward is not None:
+                r.on_forward(np.asarray([token]), embeds, self._captured_hidden())
         finally:
             self.counters.decode_ms += (time.perf_counter() - t0) * 1000
         text = self.adapter.decode(r.generated)
@@ -961,7 +975,7 @@ class StreamingSession:
         if cut is not None:
             r.stopped = True
             return self._finish_reply(r)
-        return self._emit(r, text)
+        return self._emit(r, text[:len(text) - _partial_stop(text, r.sampling.stop)])
 
     def _emit(self, r: _Reply, text: str) -> str:
         if text.endswith("\ufffd") or len(text) <= len(r.emitted):
@@ -975,6 +989,7 @@ class StreamingSession:
         if r.done:
             return ""
         r.done = True
+        self._capture_hidden = False
         if self._open is r:
             self._open = None
         t0 = time.perf_counter()
@@ -1066,6 +1081,18 @@ def _check_text(text) -> str:
     if not text.strip():
         raise MediaError("text is empty")
     return text
+
+
+def _partial_stop(text: str, stop) -> int:
+    """Length of the longest end of ``text`` that begins a stop string: held back until the next token says
+    whether the stop string follows, so a stop string is never printed in part."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
 
 
 def _stop_index(text: str, stop) -> int | None:

@@ -152,13 +152,26 @@ def test_bad_inputs_exit_non_zero_with_a_clear_message(tiny_checkpoints, media_d
 def test_live_demo_runs_headless_on_a_file(tiny_checkpoints, media_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = ["--model", tiny_checkpoints["minicpmo"], "--source", media_dir / "video_10s_av.mp4", "--seconds", 3,
-            "--no-realtime", "--ask", "2:What do you see?", "--max-tokens", 4, "--high", 200, "--low", 120]
+            "--no-realtime", "--ask", "2:What do you see?", "--max-tokens", 4, "--high", 200, "--low", 120,
+            "--temp", 0.7, "--top-p", 0.9, "--seed", 1, "--stop", "zzz"]
     r = subprocess.run([sys.executable, "examples/live_demo.py", *map(str, args)],
                        capture_output=True, text=True, timeout=300, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
-    assert "Q: What do you see?" in r.stdout
-    assert r.stderr.count("kv ") >= 3  # the live KV footprint, one line per update
+    assert "Q: What do you see?" in r.stdout and "A: " in r.stdout
+    assert "retained" not in r.stdout  # the KV footprint goes to stderr, one line per update
+    assert r.stderr.count("capacity") >= 4  # three seconds and the question
     assert "evictions" in r.stderr
+
+
+def test_live_demo_checks_its_flags_before_loading(tiny_checkpoints, media_dir):
+    """issue 15 (live demo): sampling flags accepted and checked like the CLI's, before the model loads."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for extra, message in ((["--top-p", "2"], "--top-p"), (["--high", "100", "--low", "200"], "above --high"),
+                           (["--ask", "x:y"], "T:QUESTION")):
+        r = subprocess.run([sys.executable, "examples/live_demo.py", "--model", tiny_checkpoints["minicpmo"],
+                            "--source", media_dir / "video_10s_av.mp4", *extra], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and message in r.stderr and "loading" not in r.stderr, (extra, r.stderr)
 
 
 def _main(capsys, *argv):
@@ -246,7 +259,8 @@ def test_answers_on_stdout_stats_on_stderr_and_a_questions_stats_before_its_answ
     """issue 15 item 8: the question's stats line landed between `A:` and the answer (on a terminal the bar's
     line clearing erased `A:`). Run with both streams into one pipe to see the order a terminal shows."""
     args = ["stream", "--model", tiny_checkpoints["qwen"], "--video", media_dir / "video_10s_av.mp4", "--seconds", 3,
-            "--ask", "0:02:What colour?", "--max-tokens", 3, "--stats", "--high", 400]
+            "--ask", "0:02:What colour?", "--max-tokens", 3, "--stats", "--high", 400,
+            "--repetition-penalty", 1.1, "--top-p", 1.0, "--stop", "zzz"]  # mlx-lm's sampling flags
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     merged = subprocess.run([sys.executable, "-m", "omnitide_mlx", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=300, env=env, cwd=REPO)

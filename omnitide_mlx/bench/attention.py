@@ -21,7 +21,7 @@ from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
 from ..models.stream_units import resolve_profile
 from ..core.sim import LAYOUT_NAMES
-from ..kernels import plan_tiles, tile_skip_attention
+from ..kernels import dispatch, plan_tiles, reference_attention, tile_skip_attention
 from ..kernels import attention as attn
 from ..kernels.cost import limit  # noqa: F401  (the key-count limit; one definition, shared with the cost model)
 from .attention_args import DESCRIPTION, HELP, add_arguments  # noqa: F401  (the benchmark module's command line)
@@ -99,8 +99,9 @@ def _time_migration(table: PageTable, plan: MigrationPlan, kv_heads: int, head_d
 
 def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: int, chunk: int,
                      dtype=mx.float32, sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None,
-                     log=None) -> list[dict]:
-    """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode."""
+                     log=None, path: str = "auto") -> list[dict]:
+    """All rows of one checkpoint: full / native / omnipage / eager, prefill then decode. ``path``: the
+    tile-skip rows' attention path (``auto``: the dispatcher's choice; else forced, kernels/dispatch.py)."""
     rng = np.random.default_rng(seed)
     flush = cache_flusher()  # every call starts with cold caches, as a layer's attention does inside a model
     migration_ms = {}  # per layout: one layer's time for its latest migration (None: it never migrated)
@@ -111,7 +112,7 @@ def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: i
     for phase, t in (("prefill", chunk), ("decode", 1)):
         for row in _bench_phase(cp, phase, t, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                                 sdpa_max_history=sdpa_max_history, rng=rng, reps=reps, flush=flush,
-                                migration_ms=migration_ms):
+                                migration_ms=migration_ms, path=path):
             rows.append(row)
             if log:
                 log(row)
@@ -119,7 +120,7 @@ def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: i
 
 
 def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_dim, dtype, sdpa_max_history, rng,
-                 reps, flush, migration_ms) -> list[dict]:
+                 reps, flush, migration_ms, path="auto") -> list[dict]:
     """The rows of one phase; its calls are timed interleaved (common.time_interleaved)."""
     scale = head_dim ** -0.5
     base = {"history": cp.history, "full_context_tokens": cp.full_context_tokens, "retained": cp.retained}
@@ -130,7 +131,7 @@ def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_
     dense_plan, cap = _contiguous_plan(keys, t, 64 if phase == "prefill" else 32)
     dk = _random((1, kv_heads, cap, head_dim), rng, dtype)
     dv = _random((1, kv_heads, cap, head_dim), rng, dtype)
-    calls["full_reference"] = lambda: tile_skip_attention(q, dk, dv, scale=scale, plan=dense_plan)
+    calls["full_reference"] = lambda: reference_attention(q, dk, dv, dense_plan, scale)
     if phase == "decode" or cp.full_context_tokens <= sdpa_max_history:
         calls["full_sdpa"] = lambda: _sdpa_blocks(q, dk, dv, keys, scale)
     # tile-skip over each layout, with the chunk (or the decoded token) allocated into it. All layouts read one K/V
@@ -149,8 +150,13 @@ def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_
         seq = np.full(shared, -1, dtype=np.int64)
         seq[: table.capacity] = table.seq
         plan = plan_tiles(seq, table.seq[slots], tiles, tile)
-        calls[name] = (lambda plan=plan: tile_skip_attention(q, k, v, scale=scale, plan=plan))
-        info[name] = (plan, tile, table.stats())
+        if path == "auto":
+            calls[name] = (lambda plan=plan: tile_skip_attention(q, k, v, scale=scale, plan=plan))
+            impl = dispatch.choose(q, k, plan, scale)
+        else:
+            calls[name] = (lambda plan=plan: dispatch.run_path(path, q, k, v, plan, scale))
+            impl = path
+        info[name] = (plan, tile, table.stats(), impl)
     mx.eval(q, dk, dv, k, v)
     timings = time_interleaved(calls, reps, flush)
     ref, sdpa = timings["full_reference"], timings.get("full_sdpa")
@@ -162,13 +168,13 @@ def _bench_phase(cp: Checkpoint, phase: str, t: int, *, q_heads, kv_heads, head_
              "speedup_vs_full": 1.0, "limit": 1.0, "ratio_to_limit": 1.0, "cpu_speedup_vs_full": 1.0,
              "cpu_ratio_to_limit": 1.0}]
     for name in LAYOUT_NAMES:
-        plan, tile, stats = info[name]
+        plan, tile, stats, impl = info[name]
         tm = timings[name]
         lim = limit(phase, keys, plan.active_slots, t)
         speed = full_ms / tm.median_ms
         row = {**base, "phase": phase, "layout": name, "chunk_tokens": t, "active_slots": plan.active_slots,
                "tiles": plan.n_tiles, "tile": tile, "physical_span": stats.physical_span,
-               "median_ms": round(tm.median_ms, 3), "timing": tm.to_json(), "impl": "reference",
+               "median_ms": round(tm.median_ms, 3), "timing": tm.to_json(), "impl": impl,
                "speedup_vs_full": round(speed, 3), "limit": round(lim, 3), "ratio_to_limit": round(speed / lim, 3),
                "cpu_speedup_vs_full": round(full_cpu / tm.cpu_median_ms, 3),
                "cpu_ratio_to_limit": round(full_cpu / tm.cpu_median_ms / lim, 3)}
@@ -291,7 +297,7 @@ def plot(result: dict, path: str) -> None:
 
 def run_bench(shape: str, histories: list[int], *, policy: str = "omnipick", dtype=mx.float32,
               sdpa_max_history: int = 16384, seed: int = 0, reps: int | None = None, question_every: int = 30,
-              log=None, setting=None, **policy_kw) -> dict:
+              log=None, setting=None, path: str = "auto", **policy_kw) -> dict:
     """``setting``: the media setting (a MediaSetting or a preset name; default: the default setting) that sizes
     the stream's units."""
     prof = resolve_profile(shape, setting)
@@ -302,10 +308,11 @@ def run_bench(shape: str, histories: list[int], *, policy: str = "omnipick", dty
     for cp in cps:
         rows += bench_checkpoint(cp, q_heads=prof.q_heads, kv_heads=prof.kv_heads, head_dim=prof.head_dim,
                                  chunk=prof.media_unit_tokens, dtype=dtype, sdpa_max_history=sdpa_max_history,
-                                 seed=seed, reps=reps, log=log)
+                                 seed=seed, reps=reps, log=log, path=path)
     pol = make_policy(policy, profile=prof, **policy_kw)
     return {
         "shape": prof.name,
+        "path": path,
         "versions": versions(),
         "attention_shape": {"q_heads": prof.q_heads, "kv_heads": prof.kv_heads, "head_dim": prof.head_dim,
                             "layers_timed": 1, "dtype": str(dtype).split(".")[-1]},
@@ -327,6 +334,10 @@ def run(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     kw = {k: getattr(args, k) for k in ("high", "low") if getattr(args, k) is not None}
+    path = getattr(args, "path", "auto")
+    if path == "vector" and not dispatch.metal_device():
+        print("--path vector: the Metal kernel needs an Apple GPU as MLX's default device", file=sys.stderr)
+        return 2
 
     def log(r):
         print(f"  {r['history']:>6} {r['phase']:<7} {r['layout']:<8} {r['median_ms']:>10.2f} ms  "
@@ -334,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
               f"(cpu x{r['cpu_speedup_vs_full']:.2f}, ratio {r['cpu_ratio_to_limit']:.2f})", flush=True)
 
     result = run_bench(args.shape, histories, policy=args.policy, dtype=getattr(mx, args.dtype),
-                       sdpa_max_history=args.sdpa_max_history, seed=args.seed, reps=args.reps, log=log, **kw)
+                       sdpa_max_history=args.sdpa_max_history, seed=args.seed, reps=args.reps, log=log, path=path,
+                       **kw)
     write_outputs(result, args, markdown=markdown, plot=plot)
     g = result["goals"]
     print(f"rows below {RATIO_GOAL} of their limit: {len(g['rows_below_ratio_goal'])}; "

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per row (default: by duration)")
     p.add_argument("--sdpa-max-history", type=int, default=16384,
                    help="also time mx.fast SDPA for dense prefill up to this history (it is always timed for decode)")
+    p.add_argument("--path", choices=["auto", "reference", "vector", "gather", "dense"], default="auto",
+                   help="MLX: the tile-skip rows' attention path; auto (default) = the dispatcher's choice "
+                        "(reference off Metal), else forced (vector: the Metal kernel; gather / dense: fused SDPA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")

@@ -41,11 +41,12 @@ class LayoutCase:
 
 
 def layout_cases(shape: str, histories: list[int], *, dtype_bytes: int = 2, layouts=LAYOUT_NAMES,
-                 policy: str = "omnipick", seed: int = 0) -> list[LayoutCase]:
-    """The benchmark's rows (both phases, every layout) at each checkpoint, ready to price or to run."""
+                 policy: str = "omnipick", seed: int = 0, setting=None) -> list[LayoutCase]:
+    """The benchmark's rows (both phases, every layout) at each checkpoint, ready to price or to run; ``setting``:
+    the media setting that sizes the units (bench attention's ``setting``)."""
     from .attention import checkpoints
 
-    prof = resolve_profile(shape)
+    prof = resolve_profile(shape, setting)
     hq, hkv, d = prof.q_heads, prof.kv_heads, prof.head_dim
     out = []
     for cp in checkpoints(prof, histories, policy=policy, seed=seed):
@@ -68,11 +69,11 @@ def layout_cases(shape: str, histories: list[int], *, dtype_bytes: int = 2, layo
 
 
 def predictions(shape: str, histories: list[int], *, machine: cost.Machine = cost.DEFAULT_MACHINE,
-                dtype_bytes: int = 2, layouts=LAYOUT_NAMES) -> list[dict]:
+                dtype_bytes: int = 2, layouts=LAYOUT_NAMES, setting=None) -> list[dict]:
     """Per row: predicted ms of every path and of the dense baseline, the cheapest, its speedup and its ratio to
     the key-count limit."""
     rows = []
-    for lc in layout_cases(shape, histories, dtype_bytes=dtype_bytes, layouts=layouts):
+    for lc in layout_cases(shape, histories, dtype_bytes=dtype_bytes, layouts=layouts, setting=setting):
         est = {p: cost.predict(p, lc.case, machine) for p in cost.PATHS}
         full = cost.predict("full", lc.full, machine)
         win = min(est, key=lambda p: est[p].ms)
@@ -98,3 +99,35 @@ def markdown(rows: list[dict], machine: cost.Machine = cost.DEFAULT_MACHINE) -> 
                      f"{r['choice']} | {r['speedup_vs_full']:.2f}x | {r['limit']:.2f}x | "
                      f"{r['ratio_to_limit']:.2f} |")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m omnitide_mlx.bench.attention_predict``: print the predictions as Markdown (docs/benchmarks.md)."""
+    import argparse
+
+    from ..core.layout_checkpoints import parse_histories
+
+    p = argparse.ArgumentParser(prog="python -m omnitide_mlx.bench.attention_predict", description=__doc__)
+    p.add_argument("--shape", default="qwen2.5-omni-7b")
+    p.add_argument("--history", default="4096,8192,16384,32768,65536")
+    p.add_argument("--layouts", default=",".join(LAYOUT_NAMES))
+    p.add_argument("--dtype-bytes", type=int, default=2, help="2: float16 / bfloat16 (default), 4: float32")
+    p.add_argument("--machine", default="m2-max-38", choices=sorted(cost.MACHINES))
+    p.add_argument("--setting", default=None, help="media setting preset (default: the default; 'paper': "
+                   "the paper's 2,333 / 675-token units)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args(argv)
+    m = cost.MACHINES[a.machine]
+    rows = predictions(a.shape, parse_histories(a.history), machine=m, dtype_bytes=a.dtype_bytes,
+                       layouts=tuple(x for x in a.layouts.split(",") if x), setting=a.setting)
+    print(markdown(rows, m))
+    if a.json:
+        import json
+
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

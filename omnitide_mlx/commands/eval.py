@@ -107,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--units", type=int, default=None,
                    help="recall: units per episode (default 24, about 60 tokens each); drift: units streamed "
                         "(default 240, one verse each)")
+    s.add_argument("--style", choices=("log", "omni"), default="log",
+                   help="recall: 'omni' lays each unit out as an omni unit (time tag, a 32-token block standing for "
+                        "the frame, a few speech tokens) instead of a text log line")
+    s.add_argument("--qa", action="store_true",
+                   help="recall: push a user question and the model's reply before each shortest-delay probe")
     s.add_argument("--tokens", type=int, default=20_000, help="perplexity: tokens streamed per setting (20000)")
     s.add_argument("--checkpoints", default="1,50,100,150,200,230",
                    help="drift: compare with the recompute after this many evictions (comma-separated)")
@@ -192,7 +197,7 @@ def _run_study(args) -> int:
         path = Path(args.gguf).expanduser() if args.gguf else smollm2_path()
         settings = _settings(args, ["512/368", "256/184"])
         config = StudyConfig(model=str(path), episodes=args.episodes, units=args.units or 24, facts=args.facts,
-                             seed=args.seed)
+                             seed=args.seed, style=args.style, qa=args.qa)
         run_study(config, settings, Path(args.out).expanduser(), overwrite=args.overwrite,
                   log=lambda m: print(m, file=sys.stderr))
     except (GGUFError, RunFolderError, ValueError) as e:

@@ -112,6 +112,38 @@ def add_policy_arguments(p: argparse.ArgumentParser, *, policies: list[str] | No
                         "of it)")
 
 
+def add_media_arguments(p: argparse.ArgumentParser) -> None:
+    """The resolution knobs, named as the official processors name them, and ``--preset`` (core/stream_units.py);
+    ``media_setting(args)`` turns them into a MediaSetting."""
+    p.add_argument("--preset", choices=["default", "paper"], default="default",
+                   help="media setting: default (the official long-video processing: Qwen2.5-Omni frames capped at "
+                        "128x28x28 pixels, MiniCPM-o frames unsliced) or paper (1344x1344 frames, Qwen at full "
+                        "resolution: 2,333 tokens a unit; MiniCPM-o with 3x3 slices: 672)")
+    p.add_argument("--frame-size", default=None, metavar="WxH",
+                   help="resize frames to WxH before the processor (the simulator's frame; default: as they come, "
+                        "640x480 in the simulator)")
+    p.add_argument("--max-pixels", type=positive_int, default=None,
+                   help="Qwen2.5-Omni: most pixels per frame (default 100352 = 128x28x28; paper 1806336)")
+    p.add_argument("--max-slice-nums", type=positive_int, default=None,
+                   help="MiniCPM-o: most slices per frame (default 1 = unsliced, as the official streaming calls; "
+                        "paper 9)")
+
+
+def media_setting(args):
+    """The MediaSetting of ``--preset`` with ``--frame-size`` / ``--max-pixels`` / ``--max-slice-nums`` on top;
+    UsageError names a bad value."""
+    from ..core.stream_units import MediaSettingError, get_preset, parse_frame_size
+
+    try:
+        setting = get_preset(getattr(args, "preset", None) or "default")
+        size = getattr(args, "frame_size", None)
+        return setting.with_overrides(frame_size=parse_frame_size(size) if size else None,
+                                      max_pixels=getattr(args, "max_pixels", None),
+                                      max_slice_nums=getattr(args, "max_slice_nums", None))
+    except MediaSettingError as e:
+        raise UsageError(f"--frame-size / --max-pixels / --max-slice-nums: {e}") from None
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None = 128) -> None:
     """Sampling flags named as ``mlx_lm.generate`` names them."""
     default = f"default {max_tokens}" if max_tokens is not None else "default: per benchmark"

@@ -31,13 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model profile: token rates, unit layout, KV shape (default qwen2.5-omni-7b)")
     p.add_argument("--seconds", type=int, default=240, help="stream length in seconds (default 240)")
     p.add_argument("--policy", choices=POLICIES, default="omnitide", help="retention policy (default omnitide)")
-    p.add_argument("--high", type=int, default=None, help="high watermark in tokens (default: the profile's, 2500)")
-    p.add_argument("--low", type=int, default=None, help="low watermark in tokens (default: the profile's, 1800)")
+    p.add_argument("--high", type=int, default=None,
+                   help="high watermark in tokens (default: the profile's, paper figure 14: Qwen2.5-Omni-3B 5000, "
+                        "7B 8000, MiniCPM-o 2500)")
+    p.add_argument("--low", type=int, default=None,
+                   help="low watermark in tokens (default: the profile's: 3500 / 6000 / 1800)")
     p.add_argument("--recent-units", type=int, default=None, help="OmniPick: newest units kept whole")
     p.add_argument("--image-sink", type=int, default=None, help="OmniPick: sink prefix of older image spans")
     p.add_argument("--audio-sink", type=int, default=None, help="OmniPick: sink prefix of older audio spans")
     p.add_argument("--slice-sink", type=int, default=None, help="OmniPick: sink prefix of older image slices")
     p.add_argument("--text-budget", type=int, default=None, help="OmniPick: shared budget for older text/replies")
+    from .options import add_media_arguments
+
+    add_media_arguments(p)
     p.add_argument("--migration", choices=["class_aware", "ordered_suffix"], default="class_aware",
                    help="OmniPage migration: class_aware (tile-skipping kernels, the MLX path; default) or "
                         "ordered_suffix (span-traversing kernels)")
@@ -60,10 +66,13 @@ def run(args: argparse.Namespace) -> int:
     from omnitide_mlx.core.pick import RetentionError, make_policy
     from omnitide_mlx.core.profiles import ProfileError, StreamSpec
     from omnitide_mlx.core.sim import SimError, Simulator, plot_result
+    from omnitide_mlx.core.stream_units import watermark_guard
     from omnitide_mlx.models.stream_units import resolve_profile
 
+    from .options import UsageError, media_setting
+
     try:
-        profile = resolve_profile(args.profile)
+        profile = resolve_profile(args.profile, media_setting(args))
         kw = {k: v for k, v in (("high", args.high), ("low", args.low), ("recent_units", args.recent_units),
                                 ("image_sink", args.image_sink), ("audio_sink", args.audio_sink),
                                 ("slice_sink", args.slice_sink), ("text_budget", args.text_budget))
@@ -80,9 +89,14 @@ def run(args: argparse.Namespace) -> int:
         stream = StreamSpec(args.seconds, question_every=args.question_every, seed=args.seed)
         sim = Simulator(profile, policy, stream, migration=args.migration, page_size=args.page_size,
                         subblock_size=args.subblock_size, min_gain_pages=args.min_gain_pages, check=args.check)
-    except (RetentionError, ProfileError, SimError, LayoutError) as e:
+    except (RetentionError, ProfileError, SimError, LayoutError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if hasattr(policy, "recent_units"):
+        warning = watermark_guard(low=policy.low, system_tokens=profile.system_tokens,
+                                  unit_tokens=profile.media_unit_tokens, recent_units=policy.recent_units)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     n_updates = args.seconds + (2 * (args.seconds // args.question_every) if args.question_every else 0)
     every = args.series_every if args.series_every is not None else max(1, n_updates // 5000)
     progress = not args.no_progress and n_updates >= 2000
@@ -90,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     result["series_every"] = every
 
     lay = result["layouts"]
+    kinds = ", ".join(f"{k} {n}" for k, n in profile.tokens_by_kind().items())
+    print(f"{profile.display} at the {profile.units.setting.name} setting: {profile.media_unit_tokens} tokens a unit "
+          f"({kinds})")
     print(f"{profile.display}, policy {result['policy']} (high {policy.high} / low {policy.low}), "
           f"{args.seconds} s, {result['updates']} updates, {result['trims']} trims, "
           f"{result['full_context_tokens']} tokens streamed, KV {profile.kv_bytes_per_token} B/token")
@@ -100,9 +117,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:10} {f['retained_cells']:9d} {f['physical_span']:7d} {f['active_pages']:6d} "
               f"{f['active_subblocks']:7d} {f['holes']:6d} {d['peak']['peak_span']:10d} "
               f"{d['moved_cells_total']:12d} {f['kv_bytes'] / 2**20:8.1f}")
+    steady = {n: d["after_first_trim"] for n, d in lay.items() if d["after_first_trim"]["updates"]}
+    if steady:
+        print(f"after the first trim ({next(iter(steady.values()))['updates']} updates): time-averaged / p95")
+        print(f"{'layout':10} {'span':>15} {'pages':>13} {'subblocks':>13}")
+        for name, st in steady.items():
+            m, p = st["mean"], st["p95"]
+            print(f"{name:10} {m['physical_span']:8.1f} / {p['physical_span']:<6.0f}{m['active_pages']:7.1f} / "
+                  f"{p['active_pages']:<5.0f}{m['active_subblocks']:7.1f} / {p['active_subblocks']:<5.0f}")
     if "native" in lay and "omnipage" in lay and lay["native"]["final"]["physical_span"]:
         r = lay["omnipage"]["final"]["physical_span"] / lay["native"]["final"]["physical_span"]
-        print(f"OmniPage ({lay['omnipage']['migration']}) final span = {r:.3f} x native")
+        line = f"OmniPage ({lay['omnipage']['migration']}) final span = {r:.3f} x native"
+        if "native" in steady and "omnipage" in steady and steady["native"]["mean"]["physical_span"]:
+            line += (f"; mean span after the first trim = "
+                     f"{steady['omnipage']['mean']['physical_span'] / steady['native']['mean']['physical_span']:.3f}"
+                     " x native")
+        print(line)
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

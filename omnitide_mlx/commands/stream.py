@@ -31,6 +31,9 @@ examples:
 """
 
 
+from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args  # noqa: E402
+
+
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["mlx", "torch"], default="mlx",
                    help="mlx (default) or torch: transformers' Qwen2.5-Omni thinker on PyTorch (CUDA or CPU; needs "
@@ -53,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", action="store_true", help="print one line per streaming update (to stderr)")
     p.add_argument("--json", default=None, metavar="PATH", help="write answers and per-update KV figures as JSON")
     p.add_argument("--save-session", default=None, metavar="DIR", help="save the session state at the end")
+    add_speech_arguments(p)
     add_progress_argument(p, legacy_quiet=True)
 
 
@@ -64,6 +68,8 @@ def check_args(args) -> None:
         raise UsageError("--device applies to --backend torch (MLX picks its own device)")
     check_output_file(getattr(args, "json", None), "--json")
     check_output_dir(getattr(args, "save_session", None), "--save-session")
+    if hasattr(args, "speak"):
+        check_speech_args(args)
 
 
 def check_model(args) -> None:
@@ -200,6 +206,7 @@ def run(args) -> int:
         check_model(args)  # a wrong model name fails before any media is decoded
         media = MediaStream(args.video, args.audio, seconds=args.seconds)  # both files checked, nothing decoded
         session = session_from_args(args, on_update=on_update)
+        speaker = SpokenAnswers(session, args, "omnitide stream")
     except (MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide stream: {e}", file=sys.stderr)
         return 1
@@ -222,7 +229,7 @@ def run(args) -> int:
             t, q = pending.pop(0)
             progress.clear()
             print(f"\n[{t:g}s] Q: {q}", flush=True)
-            pieces = iter(session.ask(q, **sampling_kwargs(args)))
+            pieces = iter(speaker.ask(q, label=f"{t:g}s", **sampling_kwargs(args)))
             first = next(pieces, "")  # the question's update (and its --stats line) happens here, before "A:"
             sys.stderr.flush()
             print(f"A: {first}", end="", flush=True)
@@ -261,6 +268,9 @@ def run(args) -> int:
         print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
         status = 1
     if args.json:
+        if speaker.enabled:
+            for a, f in zip(answers, speaker.files):
+                a["speech"] = f
         out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
                "media": {"units": streamed, "video_seconds": media.frames if args.video else 0,
                          "audio_seconds": round(media.audio_seconds, 3),

@@ -136,16 +136,19 @@ _QWEN_SYSTEM = 43  # <|im_start|>system\n + the default Qwen system prompt (37 B
 _MINICPM_SYSTEM = 15  # <|im_start|>system\nYou are a helpful assistant.\n<|im_end|>\n (12) + <|im_start|>user\n (3)
 
 # shapes from the released configs (shared/reference/): Qwen2.5-Omni-7B / 3B thinkers (Qwen2.5-7B / 3B LLMs),
-# MiniCPM-o 4.5 (Qwen3-8B LLM), MiniCPM-o 2.6 (Qwen2.5-7B LLM)
+# MiniCPM-o 4.5 (Qwen3-8B LLM), MiniCPM-o 2.6 (Qwen2.5-7B LLM).
+# Watermarks: the best setting of the paper's figure 14 (7.4.1, StreamingBench accuracy): Qwen2.5-Omni-3B 68.1 % at
+# 5000/3500 (62.8 % at the 2500/1800 default), Qwen2.5-Omni-7B 61.0 % at 8000/6000 (52.4 %), MiniCPM-o 4.5 75.0 %
+# at 2500/1800 (2.6 was not measured: the paper's default).
 PROFILES: dict[str, ModelProfile] = {
     "qwen2.5-omni-7b": ModelProfile(
         name="qwen2.5-omni-7b", display="Qwen2.5-Omni-7B", family="qwen2_5_omni", rope_axes=3, layers=28,
         kv_heads=4, head_dim=128, q_heads=28, hidden=3584, intermediate=18944, vocab=152064,
-        system_tokens=_QWEN_SYSTEM, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-7B LLM"),
+        system_tokens=_QWEN_SYSTEM, high=8000, low=6000, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-7B LLM"),
     "qwen2.5-omni-3b": ModelProfile(
         name="qwen2.5-omni-3b", display="Qwen2.5-Omni-3B", family="qwen2_5_omni", rope_axes=3, layers=36,
         kv_heads=2, head_dim=128, q_heads=16, hidden=2048, intermediate=11008, vocab=151936,
-        system_tokens=_QWEN_SYSTEM, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-3B LLM"),
+        system_tokens=_QWEN_SYSTEM, high=5000, low=3500, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-3B LLM"),
     "minicpm-o-4.5": ModelProfile(
         name="minicpm-o-4.5", display="MiniCPM-o 4.5", family="minicpmo", rope_axes=1, layers=36, kv_heads=8,
         head_dim=128, q_heads=32, hidden=4096, intermediate=12288, vocab=151748, system_tokens=_MINICPM_SYSTEM,

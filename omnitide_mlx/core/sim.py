@@ -55,6 +55,8 @@ def make_layout(name: str, page_size: int = 64, subblock_size: int = 32, migrati
     raise SimError(f"unknown layout {name!r}; choose from {LAYOUT_NAMES}")
 
 
+_STEADY_KEYS = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "prefill_span",
+                "prefill_active_pages")  # time-averaged and p95 once retention runs (from the first trim on)
 _MEAN_KEYS = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "holes", "prefill_span",
               "prefill_active_pages", "kv_bytes")
 
@@ -74,6 +76,7 @@ class LayoutTrace:
     sums: dict = field(default_factory=dict)  # running sums over every update, for the time means
     series: list = field(default_factory=list)
     final: dict = field(default_factory=dict)
+    steady: dict = field(default_factory=dict)  # per _STEADY_KEYS, every update's value from the first trim on
 
     def _bump_peak(self, s: LayoutStats) -> None:
         for k, v in (("retained_cells", s.retained_cells), ("physical_span", s.physical_span),
@@ -104,6 +107,9 @@ class LayoutTrace:
             "useful_bytes": s.retained_cells * b,
             "capacity_bytes": s.capacity * b,
         }
+        if base.get("trimmed") or self.steady:
+            for k in _STEADY_KEYS:
+                self.steady.setdefault(k, []).append(rec[k])
         for k in _MEAN_KEYS:
             self.sums[k] = self.sums.get(k, 0) + rec[k]
         self.sums["_n"] = self.sums.get("_n", 0) + 1
@@ -119,8 +125,12 @@ class LayoutTrace:
         peak["capacity_bytes"] = peak.get("capacity", 0) * b
         n = max(1, self.sums.get("_n", 0))
         mean = {k: round(self.sums.get(k, 0) / n, 2) for k in _MEAN_KEYS}
+        steady = {"updates": len(self.steady.get("physical_span", [])),
+                  "mean": {k: round(float(np.mean(v)), 2) for k, v in self.steady.items()},
+                  "p95": {k: float(np.percentile(v, 95)) for k, v in self.steady.items()}}
         return {"placement": self.table.placement, "migration": self.planner.mode,
-                "final": dict(self.final), "peak": peak, "mean": mean, "moved_cells_total": self.moved_cells_total,
+                "final": dict(self.final), "peak": peak, "mean": mean, "after_first_trim": steady,
+                "moved_cells_total": self.moved_cells_total,
                 "moved_bytes_total": self.moved_cells_total * b, "migrations": self.migrations,
                 "series": self.series}
 
@@ -238,6 +248,9 @@ class SimResult:
             "seconds": s.stream.seconds,
             "policy_config": s.policy.config(),
             "profile_info": s.profile.to_json(),
+            "setting": s.profile.units.setting.to_json(),
+            "tokens_per_unit": s.profile.units.tokens,
+            "tokens_per_unit_by_kind": s.profile.tokens_by_kind(),
             "stream": s.stream.to_json(),
             "updates": s.updates,
             "trims": s.trims,

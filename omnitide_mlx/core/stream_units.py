@@ -105,6 +105,20 @@ def parse_frame_size(text: str) -> tuple[int, int]:
     return size
 
 
+def watermark_guard(*, low: int, system_tokens: int, unit_tokens: int, recent_units: int = 2) -> str | None:
+    """None when the low watermark holds the system prefix plus ``recent_units`` media units of the stream's size;
+    otherwise the warning to give once, saying what retention will do."""
+    need = system_tokens + recent_units * unit_tokens
+    if low >= need:
+        return None
+    keep = max(1, (low - system_tokens) // unit_tokens) if unit_tokens else 1
+    return (f"the low watermark ({low} tokens) cannot hold the system prefix ({system_tokens}) plus {recent_units} "
+            f"recent units of {unit_tokens} tokens ({need}): each trim will keep the prefix and only the newest "
+            f"{keep} unit{'s' if keep > 1 else ''} whole, and the frames before {'them' if keep > 1 else 'it'} are "
+            f"dropped within seconds; raise --low (and --high) to at least {need}, or lower the resolution "
+            "(--max-pixels / --max-slice-nums / --frame-size)")
+
+
 def merge_runs(runs) -> tuple[tuple[SpanKind, int], ...]:
     """``[(kind, length), ...]`` with empty runs dropped and neighbours of one kind merged (how units are typed)."""
     out: list[tuple[SpanKind, int]] = []

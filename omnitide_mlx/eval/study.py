@@ -16,6 +16,7 @@ cache throughout: nothing is recomputed from text.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -77,13 +78,66 @@ class Episode:
     units: list[str]
     facts: list[Fact]
     questions: list[Question]
+    qa_after: tuple[int, ...] = ()  # a user question and the model's reply go in once these many units are streamed
+
+
+# --- omni-style units: a boundary tag, a fixed-length block standing for the frame, a few speech tokens ----------
+FRAME_TOKENS = 32  # the frame block's length (an omni unit's image span, scaled to this 135M text model)
+UTTERANCES = ["Okay.", "Thanks, see you.", "Is anyone there?", "Hello again.", "Got it.", "One moment please.",
+              "That is fine.", "I will be back soon."]
+QA_QUESTION = "Briefly, what is happening in the building right now?"
+_OMNI_UNIT = re.compile(r"^(\[[^\]\n]{1,40}\]) <frame>(.*?)</frame> ?(.*)$", re.S)
+
+
+class OmniStyleAdapter:
+    """The text adapter, with units written ``[tag] <frame>scene</frame> speech`` laid out like an omni unit: the tag
+    (boundary), the scene as an IMAGE span of exactly ``frame_tokens`` tokens (its text repeated or cut to length),
+    the speech as TEXT, the newline (boundary). OmniPick then keeps an older unit's tag, newline and first
+    ``image_sink`` frame tokens, and its speech under the text budget, as it does on a real audiovisual stream."""
+
+    def __init__(self, inner, frame_tokens: int = FRAME_TOKENS):
+        self._inner = inner
+        self.frame_tokens = frame_tokens
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def context_unit(self, text: str, start: int):
+        from ..core.units import SpanKind, UnitKind
+
+        m = _OMNI_UNIT.match(text)
+        if not m:
+            return self._inner.context_unit(text, start)
+        inner = self._inner
+        frame = inner.encode(" " + m.group(2).strip())
+        frame = (frame * (self.frame_tokens // max(1, len(frame)) + 1))[:self.frame_tokens]
+        runs = [] if inner.turn_open else [(SpanKind.BOUNDARY, list(inner.user_open))]
+        runs += [(SpanKind.BOUNDARY, inner.encode(m.group(1))), (SpanKind.IMAGE, frame)]
+        if m.group(3).strip():
+            runs.append((SpanKind.TEXT, inner.encode(" " + m.group(3).strip())))
+        runs.append((SpanKind.BOUNDARY, list(inner.newline)))
+        unit = inner._unit(UnitKind.USER, runs, start, m.group(1))
+        inner.turn_open = True
+        return unit
+
+
+class _OmniStyleModel:
+    def __init__(self, model, frame_tokens: int = FRAME_TOKENS):
+        self._model = model
+        self._frame_tokens = frame_tokens
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def stream_adapter(self, tokenizer, **kw):
+        return OmniStyleAdapter(self._model.stream_adapter(tokenizer, **kw), self._frame_tokens)
 
 
 DELAYS = (2, 8, 16)
 
 
 def make_episode(index: int, seed: int = 0, units: int = 24, facts: int = 10, delays: tuple[int, ...] = DELAYS,
-                 sentences: int = 4) -> Episode:
+                 sentences: int = 4, style: str = "log", qa: bool = False) -> Episode:
     """A reproducible episode: ``units`` segments of ``sentences`` sentences, ``facts`` of them facts at random
     units (each in a different unit). Every fact is asked about ``delay`` units after the unit stating it, for each
     delay that still falls inside the episode: the same short and long recalls for early and late facts."""
@@ -96,18 +150,26 @@ def make_episode(index: int, seed: int = 0, units: int = 24, facts: int = 10, de
     fact_units = sorted(rng.sample(range(units - min(delays)), facts))
     fact_list = [Fact(k, w, u) for k, w, u in zip(keys, words, fact_units)]
     by_unit = {f.unit: f for f in fact_list}
+    if style not in ("log", "omni"):
+        raise ValueError(f"style must be 'log' or 'omni', got {style!r}")
     texts = []
     for u in range(units):
         minutes, seconds = divmod(10 * u, 60)
         picks = rng.sample(range(len(SUBJECTS) * len(ACTIONS)), sentences)
         parts = [f"{SUBJECTS[x // len(ACTIONS)]} {ACTIONS[x % len(ACTIONS)]}." for x in picks]
+        if style == "omni":  # the scene is the frame, the fact (or a short utterance) is what is said
+            speech = by_unit[u].sentence if u in by_unit else rng.choice(UTTERANCES)
+            texts.append(f"[{minutes:02d}:{seconds:02d}] <frame>{' '.join(parts)}</frame> {speech}")
+            continue
         if u in by_unit:
             parts[rng.randrange(sentences)] = by_unit[u].sentence
         texts.append(f"[{minutes:02d}:{seconds:02d}] " + " ".join(parts))
     questions = [Question(f.unit + 1 + d, i, d) for i, f in enumerate(fact_list) for d in delays
                  if f.unit + 1 + d <= units]
     questions.sort(key=lambda q: (q.after_unit, fact_list[q.fact].unit))
-    return Episode(index, texts, fact_list, questions)
+    # "after a question and reply": a user turn and its answer right before each shortest-delay probe
+    qa_after = tuple(sorted({q.after_unit for q in questions if q.delay == min(delays)})) if qa else ()
+    return Episode(index, texts, fact_list, questions, qa_after)
 
 
 @dataclass
@@ -129,13 +191,16 @@ class ProbeRecord:
 
 
 def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
-                system_prompt: str = SYSTEM_PROMPT) -> list[ProbeRecord]:
-    """Stream ``episode`` through an OmniSession with ``setting``'s policy; answer its questions by probing."""
+                system_prompt: str = SYSTEM_PROMPT, style: str = "log") -> list[ProbeRecord]:
+    """Stream ``episode`` through an OmniSession with ``setting``'s policy; answer its questions by probing.
+    ``style="omni"`` lays units out as omni units (:class:`OmniStyleAdapter`); the episode's ``qa_after`` units
+    get a real user question and the model's greedy reply (12 tokens) pushed into the stream."""
     from ..session import OmniSession
     from .probe import RetentionRecorder, context_unit_ids, probe_logits, question_ids
 
     recorder = RetentionRecorder(setting.build())
-    session = OmniSession((model, tokenizer), system_prompt=system_prompt, policy=recorder)
+    m = _OmniStyleModel(model) if style == "omni" else model
+    session = OmniSession((m, tokenizer), system_prompt=system_prompt, policy=recorder)
     candidates: dict[str, int] = {}
     for f in episode.facts:
         ids = tokenizer.encode(" " + f.word)
@@ -154,6 +219,9 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
         if ids is not None:
             word_id = candidates[by_unit[u].word]
             answer_index[u] = (rec.uid, len(ids) - 1 - ids[::-1].index(word_id))
+        if u + 1 in episode.qa_after:
+            for _ in session.ask(QA_QUESTION, max_tokens=12):
+                pass
         while pending and pending[0].after_unit == u + 1:
             q = pending.pop(0)
             fact = episode.facts[q.fact]
@@ -296,10 +364,15 @@ class StudyConfig:
     seed: int = 0
     delays: tuple[int, ...] = DELAYS
     sentences: int = 4
+    style: str = "log"  # "omni": units laid out as omni units (tag, frame block, speech)
+    qa: bool = False  # a question and the model's reply before each shortest-delay probe
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["delays"] = list(self.delays)
+        if self.style == "log" and not self.qa:  # run folders made before these options stay valid
+            d.pop("style")
+            d.pop("qa")
         return d
 
 
@@ -313,8 +386,8 @@ def run_study(config: StudyConfig, settings: list[PolicySetting], out: str | Pat
 
     identity = {k: v for k, v in config.to_json().items() if k != "episodes"}  # more episodes extend a run
     out = open_run(out, {"kind": "retention-study", **identity}, overwrite=overwrite)
-    episodes = [make_episode(i, config.seed, config.units, config.facts, tuple(config.delays), config.sentences)
-                for i in range(config.episodes)]
+    episodes = [make_episode(i, config.seed, config.units, config.facts, tuple(config.delays), config.sentences,
+                             config.style, config.qa) for i in range(config.episodes)]
     logs = {s.key: ItemLog(out / s.key / "items.jsonl") for s in settings}
     if model is None and any(f"episode-{ep.index}" not in logs[s.key].done() for s in settings for ep in episodes):
         from ..models.llama_gguf import load_gguf
@@ -328,7 +401,7 @@ def run_study(config: StudyConfig, settings: list[PolicySetting], out: str | Pat
             item = f"episode-{ep.index}"
             if item not in items.done():
                 t0 = time.perf_counter()
-                rows = [asdict(r) for r in run_episode(model[0], model[1], ep, s)]
+                rows = [asdict(r) for r in run_episode(model[0], model[1], ep, s, style=config.style)]
                 items.append(item, {"probes": rows, "seconds": time.perf_counter() - t0})
                 acc = sum(r["correct"] for r in rows) / max(1, len(rows))
                 log(f"{s.key:<34} episode {ep.index}: {acc:6.1%} of {len(rows)} in "

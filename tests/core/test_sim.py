@@ -121,7 +121,8 @@ def test_same_seed_same_numbers():
 
 @pytest.mark.parametrize("profile", ["qwen2.5-omni-7b", "minicpm-o-4.5"])
 def test_long_stream_memory_is_flat_after_the_first_trims(profile):
-    sim = Simulator(paper(profile), "omnitide", StreamSpec(900, question_every=30, seed=0))
+    prof = paper(profile)  # at the paper's default watermarks (the per-model ones fill up later)
+    sim = Simulator(prof, make_policy("omnitide", profile=prof, high=2500, low=1800), StreamSpec(900, question_every=30, seed=0))
     cap_after_warmup = None
     spans = []
     for event in sim.stream.events():
@@ -169,11 +170,11 @@ def test_h2o_and_streamingllm_run_in_the_simulator():
 
 def test_cli_writes_the_issue_json_and_a_plot(tmp_path, capsys):
     out, png = tmp_path / "r" / "sim.json", tmp_path / "r" / "sim.png"
-    rc = cli_main(["simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "40", "--policy", "omnitide",
+    rc = cli_main(["simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "80", "--policy", "omnitide",
                    "--json", str(out), "--plot", str(png)])
     assert rc == 0
     d = json.loads(out.read_text())
-    assert d["profile"] == "qwen2.5-omni-7b" and d["policy"] == "omnitide" and d["seconds"] == 40
+    assert d["profile"] == "qwen2.5-omni-7b" and d["policy"] == "omnitide" and d["seconds"] == 80
     assert set(d["layouts"]) == {"native", "omnipage", "eager"}
     for lay in d["layouts"].values():
         for block in (lay["final"], lay["peak"], lay["series"][0], lay["series"][-1]):
@@ -181,6 +182,12 @@ def test_cli_writes_the_issue_json_and_a_plot(tmp_path, capsys):
                 assert k in block
         assert isinstance(lay["moved_cells_total"], int)
         assert len(lay["series"]) == d["updates"]
+        steady = lay["after_first_trim"]
+        assert 0 < steady["updates"] <= d["updates"]
+        for k in ("physical_span", "active_pages", "active_subblocks"):
+            assert steady["mean"][k] <= steady["p95"][k] + 1e-9 or steady["updates"] < 20
+    assert d["tokens_per_unit"] == 146 and d["tokens_per_unit_by_kind"] == {"boundary": 4, "image": 117, "audio": 25}
+    assert d["setting"]["name"] == "default" and d["policy_config"]["high"] == 8000  # figure 14's 7B watermarks
     assert png.stat().st_size > 10_000
     assert "OmniPage" in capsys.readouterr().out
 
@@ -192,3 +199,19 @@ def test_cli_rejects_bad_requests(capsys):
     assert "low <= high" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["simulate", "--profile", "nope"])
+    assert cli_main(["simulate", "--frame-size", "12x", "--seconds", "2"]) == 2
+    assert "--frame-size" in capsys.readouterr().err
+
+
+def test_the_guard_warns_when_low_cannot_hold_the_recent_units(capsys):
+    """At the paper's units (2,333 tokens) the paper's default 2500/1800 keeps one unit; figure 14's 8000/6000
+    for the 7B model hold two, and the default setting's 146-token units never trigger the guard."""
+    args = ["simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "3", "--no-progress"]
+    assert cli_main(args + ["--preset", "paper", "--high", "2500", "--low", "1800"]) == 0
+    assert "warning: the low watermark (1800 tokens) cannot hold" in capsys.readouterr().err
+    for extra in (["--preset", "paper"], []):
+        assert cli_main(args + extra) == 0
+        assert "warning" not in capsys.readouterr().err
+    out = cli_main(["simulate", "--profile", "minicpm-o-4.5", "--preset", "paper", "--max-slice-nums", "4",
+                    "--seconds", "3", "--no-progress"])
+    assert out == 0 and "image_slice 256" in capsys.readouterr().out  # a 2x2 grid

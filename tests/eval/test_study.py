@@ -115,3 +115,42 @@ def test_a_small_study_on_smollm2(tmp_path):
     before = (out / "omnipick@240-160" / "items.jsonl").read_text()
     assert main(args) == 0  # a rerun resumes: nothing is recomputed
     assert (out / "omnipick@240-160" / "items.jsonl").read_text() == before
+
+
+def test_omni_style_units_are_laid_out_like_omni_units(tmp_path):
+    """Tag (boundary), a fixed-length frame block (IMAGE), speech (TEXT), newline (boundary); the question-and-reply
+    episodes put a real turn before every shortest-delay probe, and the study runs end to end on a tiny GGUF."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("gguf")
+    from omnitide_mlx.core.units import SpanKind
+    from omnitide_mlx.eval.study import FRAME_TOKENS, StudyConfig, _OmniStyleModel
+    from omnitide_mlx.models.llama_gguf import load_gguf
+    from omnitide_mlx.models.llama_gguf.tiny import write_tiny_gguf
+    from omnitide_mlx.session import OmniSession
+
+    ep = make_episode(0, seed=1, style="omni", qa=True)
+    f = ep.facts[0]
+    assert ep.units[f.unit].endswith("</frame> " + f.sentence) and "<frame>" in ep.units[0]
+    assert ep.qa_after == tuple(sorted({q.after_unit for q in ep.questions if q.delay == 2}))
+    assert make_episode(0, seed=1).qa_after == ()
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=2)
+    model, tok = load_gguf(path)
+    session = OmniSession((_OmniStyleModel(model), tok), policy="full")
+    session.push(text=ep.units[0])
+    session.push(text=ep.units[1])
+    u0, u1 = session.history.stream_units
+    kinds = [s.kind for s in u1.spans]
+    assert kinds == [SpanKind.BOUNDARY, SpanKind.IMAGE, SpanKind.TEXT, SpanKind.BOUNDARY]
+    assert u1.spans[1].length == FRAME_TOKENS and u0.spans[0].kind is SpanKind.BOUNDARY
+    # under OmniPick an older unit keeps its tag, its first image_sink frame tokens and its newline
+    pick = OmniSession((_OmniStyleModel(model), tok), policy=expand_settings(
+        ["omnipick:text_budget=0,recent_units=2"], ["400/300"])[0].build())
+    for text in ep.units[:12]:
+        pick.push(text=text)
+    older = [u for u in pick.history.stream_units if u.trimmed]
+    assert older and pick.counters.evictions >= 1
+    for u in older:
+        assert [(s.kind, s.length) for s in u.spans][1] == (SpanKind.IMAGE, 4)
+        assert u.spans[-1].kind is SpanKind.BOUNDARY and SpanKind.TEXT not in [s.kind for s in u.spans]
+    assert StudyConfig(model="m").to_json() == {k: v for k, v in StudyConfig(model="m", style="omni").to_json().items()
+                                               if k not in ("style", "qa")}
