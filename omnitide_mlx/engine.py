@@ -328,8 +328,6 @@ class StreamingSession:
     def _init_stream_state(self) -> None:
         self._lock = threading.Lock()  # the engine: held for one bounded piece of work, never across a yield
         self._holder: int | None = None  # the thread holding it (a call from that thread would wait for itself)
-        self._waiting = 0  # callers blocked on the lock; queued work then waits for them (Python locks are unfair:
-        self._waiting_lock = threading.Lock()  # a producer pushing flat out starved questions, 23 in 2,000 units)
         self._open: _Reply | None = None  # the reply being decoded; units wait for it to end
         self._capture_hidden = False  # keep the last forward's hidden states (a reply with on_forward)
         self._flush_requested = False
@@ -684,19 +682,12 @@ class StreamingSession:
                 return
             raise SessionError("the session was called from inside its own update (an on_update callback?): "
                                "push() from there queues; flush(), ask() and save() must wait until it returns")
-        with self._waiting_lock:
-            self._waiting += 1
-        try:
-            self._lock.acquire()
-        finally:
-            with self._waiting_lock:
-                self._waiting -= 1
-        self._holder = me
-        try:
-            yield
-        finally:
-            self._holder = None
-            self._lock.release()
+        with self._lock:
+            self._holder = me
+            try:
+                yield
+            finally:
+                self._holder = None
         if settle:
             self._settle()
 
@@ -705,8 +696,6 @@ class StreamingSession:
         otherwise leave it to whoever holds the engine, who settles after letting go. Never blocks."""
         records: list[UpdateRecord] = []
         while self._has_work():
-            if self._waiting:  # a caller waits for the engine (a question): it processes the queue first anyway
-                return records
             if not self._lock.acquire(blocking=False):
                 return records
             self._holder = threading.get_ident()
