@@ -492,8 +492,14 @@ class StreamingSession:
         return "".join(self.ask(question, **kwargs))
 
     # --- introspection ----------------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Chunks pushed and not yet turned into units (a capture loop that outruns the model sees this grow)."""
+        with self._inbox_lock:
+            return len(self._inbox)
+
     def stats(self) -> dict:
-        with self._engine(settle=False, read=True):
+        with self._engine(read=True):
             layout = self.cache.layout_stats()
             c = self.counters
             return {
