@@ -93,6 +93,9 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds of input")
     p.add_argument("--realtime", action=argparse.BooleanOptionalAction, default=True,
                    help="pace --source at one chunk per second (default on)")
+    from omnitide_mlx.commands.options import add_media_arguments, media_setting
+
+    add_media_arguments(p)
     p.add_argument("--policy", default="omnitide")
     p.add_argument("--high", type=int, default=None)
     p.add_argument("--low", type=int, default=None)
@@ -111,8 +114,9 @@ def main(argv=None) -> int:
               f"update {rec.update_ms:7.1f} ms", file=sys.stderr, flush=True)
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    media = media_setting(args)
     session = OmniSession(args.model, policy=args.policy, high=args.high, low=args.low, kv_budget=args.kv_budget,
-                          on_update=show)
+                          on_update=show, media=None if media == type(media)() else media)
     stop = threading.Event()
     clock = {"t": 0.0, "done": False}
     producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock), daemon=True)

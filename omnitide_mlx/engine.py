@@ -38,10 +38,16 @@ from .core.page import AllocClass
 from .core.page import MigrationPlanner
 from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
 from .core.sim import make_layout
+from .core.stream_units import MediaSetting, watermark_guard
 from .core.units import History, SpanKind, Unit, UnitKind
 from .errors import InputTooLargeError, MediaError, RestoreError, SamplingError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
+from .models.stream_units import profile_for_spec
+
+
+class RetentionWarning(UserWarning):
+    """The retention settings will not do what they look like (the low watermark cannot hold the recent units)."""
 
 SESSION_FORMAT = 2  # 2: records the model's family and KV shape, and the names of the saved arrays
 READABLE_FORMATS = (1, 2)
@@ -271,7 +277,10 @@ class StreamingSession:
     def __init__(self, model, processor=None, *, system_prompt: str | None = None,
                  policy: RetentionPolicy | str | None = "omnitide", high: int | None = None, low: int | None = None,
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
-                 on_update: Callable[[UpdateRecord], None] | None = None):
+                 on_update: Callable[[UpdateRecord], None] | None = None, media: MediaSetting | None = None):
+        """``media``: the media setting (frame size, ``max_pixels`` / ``max_slice_nums``; ``get_preset("paper")``)
+        the adapter lays units out at (default: the official long-video processing). A named policy with no
+        ``high`` / ``low`` / ``kv_budget`` gets the model's own watermarks (core/profiles.py, paper figure 14)."""
         # everything that can be checked without the model is checked before it loads
         budget = kv_budget_bytes(kv_budget) if kv_budget is not None else None
         if budget is not None:
@@ -294,8 +303,14 @@ class StreamingSession:
         elif isinstance(model, tuple):
             model, processor = model
         self.model, self.processor = model, processor
-        self.adapter: StreamAdapter = model.stream_adapter(processor)
+        self.media = media
+        self.adapter: StreamAdapter = (model.stream_adapter(processor) if media is None
+                                       else model.stream_adapter(processor, media=media))
         spec = self.adapter.kv_spec
+        self.profile = profile_for_spec(spec)
+        if self.profile is not None and budget is None and high is None and low is None \
+                and not isinstance(policy, RetentionPolicy):
+            self.policy = policy_from(policy, self.profile.high, self.profile.low)
         self.kv_dtype = kv_dtype or self._default_kv_dtype(model)
         self.kv_budget = budget
         if budget is not None:
@@ -319,6 +334,26 @@ class StreamingSession:
             system = self.adapter.system_unit(system_prompt, 0)
             self._check_size(system)
             self._prefill(system, AllocClass.MUST_KEEP)
+        self.warnings: list[str] = []
+        self._guard_watermarks(system.length)
+
+    def stream_units(self):
+        """The media unit this session's adapter builds (a StreamUnits record), or None for text-only models."""
+        fn = getattr(self.adapter, "stream_units", None)
+        return fn() if fn is not None else None
+
+    def _guard_watermarks(self, system_tokens: int) -> None:
+        """Warn once when the low watermark cannot hold the system prefix plus the recent units at this stream's
+        unit size (each trim would then keep the newest unit only)."""
+        recent = getattr(self.policy, "recent_units", None)
+        units = self.stream_units() if recent else None
+        if units is None:
+            return
+        msg = watermark_guard(low=self.policy.low, system_tokens=system_tokens, unit_tokens=units.tokens,
+                              recent_units=recent)
+        if msg:
+            self.warnings.append(msg)
+            warnings.warn(msg, RetentionWarning, stacklevel=3)
 
     def _apply_budget(self) -> None:
         self._max_slots = (budget_slots(self.kv_budget, self.cache.bytes_per_token, self.cache.table.page_size)
@@ -457,8 +492,14 @@ class StreamingSession:
         return "".join(self.ask(question, **kwargs))
 
     # --- introspection ----------------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Chunks pushed and not yet turned into units (a capture loop that outruns the model sees this grow)."""
+        with self._inbox_lock:
+            return len(self._inbox)
+
     def stats(self) -> dict:
-        with self._engine(settle=False, read=True):
+        with self._engine(read=True):
             layout = self.cache.layout_stats()
             c = self.counters
             return {
@@ -467,6 +508,8 @@ class StreamingSession:
                 "layout": self.policy.layout,
                 "high": self.policy.high,
                 "low": self.policy.low,
+                "profile": self.profile.name if self.profile is not None else None,
+                "tokens_per_unit": self._units_json(),
                 "units": len(self.history),
                 "retained_cells": layout.retained_cells,
                 "logical_tokens": self.history.total_tokens,
@@ -493,6 +536,11 @@ class StreamingSession:
                     "decode_tokens_per_s": (c.decoded_tokens / (c.decode_ms / 1000)) if c.decode_ms else 0.0,
                 },
             }
+
+    def _units_json(self) -> dict | None:
+        u = self.stream_units()
+        return None if u is None else {"tokens": u.tokens, "by_kind": u.tokens_by_kind(),
+                                       "setting": u.setting.to_json()}
 
     # --- persistence --------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:

@@ -7,7 +7,7 @@ import time
 
 from .options import UsageError
 from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args
-from .options import add_model_arguments, add_progress_argument, add_sampling_arguments, sampling_kwargs
+from .options import add_media_arguments, add_model_arguments, add_progress_argument, add_sampling_arguments, sampling_kwargs
 from .stream import check_model, session_from_args
 
 HELP = "answer one prompt about optional images, audio or a video (like mlx_lm.generate)"
@@ -22,6 +22,7 @@ examples:
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
+    add_media_arguments(p)
     p.add_argument("--prompt", "-p", required=True, help="the question or instruction")
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--audio", default=None, help="audio file")

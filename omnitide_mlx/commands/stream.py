@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 # the shared flags live in options.py; re-exported here for callers that import them from this module
+from ..core.stream_units import MediaSetting
+from .options import add_media_arguments, media_setting  # noqa: I001
 from .options import (POLICIES, UsageError, add_model_arguments, add_policy_arguments,  # noqa: F401
                       add_progress_argument, add_sampling_arguments, check_output_dir, check_output_file,
                       parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
@@ -44,6 +46,7 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_backend_arguments(p)
+    add_media_arguments(p)
     p.add_argument("--video", default=None, help="video file (its audio track is used unless --audio is given)")
     p.add_argument("--audio", default=None, help="audio file (wav/flac/ogg/mp3/m4a/...)")
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
@@ -99,6 +102,9 @@ def session_from_args(args, on_update=None):
     """Load the model and build an OmniSession (``--backend mlx``) or a TorchSession (``--backend torch``) from the
     shared model / policy flags (already checked by ``check_args``)."""
     backend = getattr(args, "backend", "mlx")
+    media = media_setting(args) if hasattr(args, "preset") else None  # a bad knob fails before the model loads
+    if media is not None and media == MediaSetting():
+        media = None  # the adapter's own defaults (text-only adapters take no media setting)
     if backend == "torch":
         try:
             import torch
@@ -120,7 +126,8 @@ def session_from_args(args, on_update=None):
     with announce(f"loading {args.model}"):
         model, processor = load(args.model, **load_kw)
     session = session_class((model, processor), system_prompt=args.system_prompt, policy=args.policy,
-                            high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update)
+                            high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update,
+                            media=media)
     session.model_path = _saved_model_path(args.model)
     return session
 
