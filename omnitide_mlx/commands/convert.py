@@ -51,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {src} is already quantised", file=sys.stderr)
             return 2
         model, _ = load(src)
+        speech = None
+        if config.get("model_type") == "qwen2_5_omni":  # the talker, token2wav and voices go to dst/speech/
+            from ..models.qwen2_5_omni.speech import has_speech, load_speech
+
+            if has_speech(src, config):
+                speech = load_speech(src, config)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -58,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     written = save_converted(model, config, src, dst, bits=args.q_bits if args.quantize else None,
                              group_size=args.q_group_size, dtype=dtype,
                              quant_predicate=getattr(model, "quant_predicate", None))
+    if speech is not None:
+        from ..models.qwen2_5_omni.speech import save_speech
+
+        save_speech(speech, dst)  # float, MLX layout; spk_dict.pt becomes speech/speakers.safetensors
+        print(f"wrote the talker, token2wav and {len(speech.speakers)} voices to {dst / 'speech'}")
     what = (f"{written['quantization']['bits']}-bit (group {written['quantization']['group_size']})"
             if args.quantize else (args.dtype or "unquantised"))
     print(f"wrote {what} MLX model to {dst}")

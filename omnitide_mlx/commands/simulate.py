@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--audio-sink", type=int, default=None, help="OmniPick: sink prefix of older audio spans")
     p.add_argument("--slice-sink", type=int, default=None, help="OmniPick: sink prefix of older image slices")
     p.add_argument("--text-budget", type=int, default=None, help="OmniPick: shared budget for older text/replies")
+    p.add_argument("--recent-count", choices=["media", "all"], default=None,
+                   help="OmniPick: what --recent-units counts: media units, with the questions and replies after "
+                        "them kept whole too (default), or every unit (the rule before issue 12)")
     from .options import add_media_arguments
 
     add_media_arguments(p)
@@ -75,13 +78,14 @@ def run(args: argparse.Namespace) -> int:
         profile = resolve_profile(args.profile, media_setting(args))
         kw = {k: v for k, v in (("high", args.high), ("low", args.low), ("recent_units", args.recent_units),
                                 ("image_sink", args.image_sink), ("audio_sink", args.audio_sink),
-                                ("slice_sink", args.slice_sink), ("text_budget", args.text_budget))
+                                ("slice_sink", args.slice_sink), ("text_budget", args.text_budget),
+                                ("recent_count", args.recent_count))
               if v is not None}
         if "high" in kw and "low" not in kw:
             kw["low"] = min(kw["high"], profile.low)
         if "low" in kw and "high" not in kw:
             kw["high"] = max(kw["low"], profile.high)
-        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget"}
+        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget", "recent_count"}
         if args.policy not in ("omnitide", "omnipick", "eager") and knobs & set(kw):
             print(f"error: {sorted(knobs & set(kw))} apply to omnipick / omnitide / eager only", file=sys.stderr)
             return 2
