@@ -5,8 +5,9 @@
 
 A capture thread pushes one chunk a second (a frame plus its second of audio) while the main thread reads
 questions from the terminal (or takes them from --ask at their times) and prints the answers as they stream.
-The KV footprint is printed after every update, so you can watch it stay flat once retention kicks in.
-Microphone input needs the optional package sounddevice (``pip install sounddevice``).
+Answers go to stdout; the KV footprint after every update (retained KV and allocated capacity) goes to stderr,
+never inside an answer: lines that arrive while an answer prints wait for its end, and a question's own update
+prints before its `A:`. Microphone input needs the optional package sounddevice (``pip install sounddevice``).
 
 ``--speak`` answers in speech too (a Qwen2.5-Omni checkpoint with its talker): every answer is written to
 ``--audio-out`` as a wav, and played as it is generated when sounddevice and an output device are there
@@ -21,17 +22,64 @@ import sys
 import threading
 import time
 
-from omnitide_mlx import OmniSession
+from omnitide_mlx.commands.options import (UsageError, add_media_arguments, add_policy_arguments, add_sampling_arguments,
+                                           media_setting, parse_questions, positive_float, resolve_watermarks,
+                                           sampling_kwargs)
 from omnitide_mlx.errors import MediaError
-from omnitide_mlx.media import LiveCapture, iter_chunks
 
 
-def capture_loop(session: OmniSession, args, stop: threading.Event, clock: dict) -> None:
+class Console:
+    """Answers on stdout, updates on stderr, never interleaved: update lines that arrive while an answer is being
+    printed are held and printed after it."""
+
+    def __init__(self, bytes_per_token: int = 0):
+        self.bytes_per_token = bytes_per_token
+        self._lock = threading.Lock()
+        self._answering = False
+        self._held: list[str] = []
+
+    def update(self, rec) -> None:
+        t = f"{rec.t:5.0f}s" if rec.t is not None else "     -"
+        line = (f"  [{t}] {rec.kind:<5} retained {rec.retained_cells:5d} tokens "
+                f"{rec.retained_cells * self.bytes_per_token / 2**20:7.2f} MiB, capacity {rec.kv_bytes / 2**20:7.2f} "
+                f"MiB, span {rec.physical_span:5d}, {rec.active_pages:3d} pages, update {rec.update_ms:7.1f} ms")
+        with self._lock:
+            if self._answering:
+                self._held.append(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
+
+    def answer(self, question: str, pieces) -> str:
+        """Print ``Q:``, then (after the question's own update) ``A:`` and the pieces as they come."""
+        print(f"\nQ: {question}", flush=True)
+        pieces = iter(pieces)
+        first = next(pieces, "")  # the question's update is printed here, before "A:"
+        with self._lock:
+            self._answering = True
+        out = [first]
+        try:
+            print(f"A: {first}", end="", flush=True)
+            for piece in pieces:
+                out.append(piece)
+                print(piece, end="", flush=True)
+            print(flush=True)
+        finally:
+            with self._lock:
+                self._answering = False
+                held, self._held = self._held, []
+                for line in held:
+                    print(line, file=sys.stderr, flush=True)
+        return "".join(out)
+
+
+def capture_loop(session, args, stop: threading.Event, clock: dict) -> None:
     """Push a chunk a second from the camera/microphone or from --source, paced in real time."""
+    from omnitide_mlx.media import LiveCapture, MediaStream
+
     try:
         if args.source:
             start = time.monotonic()
-            for chunk in iter_chunks(args.source, seconds=args.seconds):
+            for chunk in MediaStream(args.source, seconds=args.seconds):
                 if stop.is_set():
                     break
                 time.sleep(max(0.0, start + chunk.t - time.monotonic()) if args.realtime else 0.0)
@@ -50,10 +98,10 @@ def capture_loop(session: OmniSession, args, stop: threading.Event, clock: dict)
         clock["done"] = True
 
 
-def ask(session: OmniSession, q: str, args, n: int):
+def ask(session, q: str, args, n: int):
     """The answer's text pieces; with --speak its audio is written to a wav (and played) as it comes."""
     if not args.speak:
-        yield from session.ask(q, max_tokens=args.max_tokens)
+        yield from session.ask(q, **sampling_kwargs(args))
         return
     from pathlib import Path
 
@@ -63,7 +111,7 @@ def ask(session: OmniSession, q: str, args, n: int):
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = player = None
     try:
-        for item in session.ask(q, max_tokens=args.max_tokens, speak=True, speech=SpeechOptions(speaker=args.speaker)):
+        for item in session.ask(q, **sampling_kwargs(args), speak=True, speech=SpeechOptions(speaker=args.speaker)):
             if not isinstance(item, AudioChunk):
                 yield item
                 continue
@@ -84,45 +132,58 @@ def ask(session: OmniSession, q: str, args, n: int):
             print(f"\n(spoken answer: {path}, {writer.seconds:.2f} s)", file=sys.stderr)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="local model folder or Hugging Face id")
     p.add_argument("--source", default=None, help="a video file instead of the camera and microphone")
     p.add_argument("--camera", type=int, default=0)
     p.add_argument("--no-mic", action="store_true", help="camera only")
-    p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds of input")
+    p.add_argument("--seconds", type=positive_float, default=None, help="stop after this many seconds of input")
     p.add_argument("--realtime", action=argparse.BooleanOptionalAction, default=True,
                    help="pace --source at one chunk per second (default on)")
-    from omnitide_mlx.commands.options import add_media_arguments, media_setting
-
     add_media_arguments(p)
-    p.add_argument("--policy", default="omnitide")
-    p.add_argument("--high", type=int, default=None)
-    p.add_argument("--low", type=int, default=None)
-    p.add_argument("--kv-budget", default=None)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
-                   help="scripted question at T seconds (for headless runs); otherwise type questions")
+    add_policy_arguments(p)
+    add_sampling_arguments(p, max_tokens=96)
     p.add_argument("--speak", action="store_true", help="answer in speech too (wav files, played when possible)")
     p.add_argument("--speaker", default=None, help="the voice (Chelsie or Ethan in the released models)")
     p.add_argument("--audio-out", default="answers", help="folder for the spoken answers (default ./answers)")
-    args = p.parse_args(argv)
+    p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
+                   help="scripted question at T seconds (or m:ss) for headless runs; otherwise type questions")
+    return p
 
-    def show(rec):
-        print(f"  [{rec.t if rec.t is not None else '-':>5}] kv {rec.retained_cells:5d} cells, span "
-              f"{rec.physical_span:5d}, {rec.active_pages:3d} pages, {rec.kv_bytes / 2**20:7.2f} MiB, "
-              f"update {rec.update_ms:7.1f} ms", file=sys.stderr, flush=True)
 
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    media = media_setting(args)
-    session = OmniSession(args.model, policy=args.policy, high=args.high, low=args.low, kv_budget=args.kv_budget,
-                          on_update=show, media=None if media == type(media)() else media)
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:  # every flag checked before the model loads
+        scripted = parse_questions(args.ask)
+        args.high, args.low = resolve_watermarks(args)
+        media = media_setting(args)
+        if args.source is not None:
+            from omnitide_mlx.media import MediaStream
+
+            MediaStream(args.source, seconds=args.seconds)  # the file opens and decodes
+    except (UsageError, MediaError) as e:
+        print(f"live_demo: {e}", file=sys.stderr)
+        return 2
+
+    from omnitide_mlx import OmniSession
+    from omnitide_mlx.commands.stream import announce
+
+    console = Console()
+    try:
+        with announce(f"loading {args.model}"):
+            session = OmniSession(args.model, policy=args.policy, high=args.high, low=args.low,
+                                  kv_budget=args.kv_budget, on_update=console.update,
+                                  media=None if media == type(media)() else media)
+    except ValueError as e:
+        print(f"live_demo: {e}", file=sys.stderr)
+        return 1
+    console.bytes_per_token = session.stats()["kv_bytes_per_token"]
     stop = threading.Event()
     clock = {"t": 0.0, "done": False}
     producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock), daemon=True)
     producer.start()
 
-    scripted = sorted((float(a.split(":", 1)[0]), a.split(":", 1)[1]) for a in args.ask)
     questions: queue.Queue[str] = queue.Queue()
     if not scripted and sys.stdin.isatty():
         print("type a question and press Enter (Ctrl-D to stop)", file=sys.stderr)
@@ -148,19 +209,17 @@ def main(argv=None) -> int:
                 if clock["done"] and scripted:
                     questions.put(scripted.pop(0)[1])
                 continue
-            print(f"\nQ: {q}\nA: ", end="", flush=True)
             answered += 1
-            for piece in ask(session, q, args, answered):
-                print(piece, end="", flush=True)
-            print(flush=True)
+            console.answer(q, ask(session, q, args, answered))
     except KeyboardInterrupt:
         pass
     finally:
         stop.set()
         producer.join(timeout=5)
     s = session.stats()
-    print(f"\n{s['units']} units, {s['retained_cells']} cells retained ({s['kv_bytes'] / 2**20:.2f} MiB), "
-          f"{s['evictions']} evictions, {s['migrations']} migrations", file=sys.stderr)
+    print(f"\n{s['units']} units, {s['retained_cells']} tokens retained "
+          f"({s['retained_cells'] * s['kv_bytes_per_token'] / 2**20:.2f} MiB; capacity {s['kv_bytes'] / 2**20:.2f} "
+          f"MiB), {s['evictions']} evictions, {s['migrations']} migrations", file=sys.stderr)
     return 0
 
 
