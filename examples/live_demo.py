@@ -8,6 +8,10 @@ questions from the terminal (or takes them from --ask at their times) and prints
 Answers go to stdout; the KV footprint after every update (retained KV and allocated capacity) goes to stderr,
 never inside an answer: lines that arrive while an answer prints wait for its end, and a question's own update
 prints before its `A:`. Microphone input needs the optional package sounddevice (``pip install sounddevice``).
+
+``--speak`` answers in speech too (a Qwen2.5-Omni checkpoint with its talker): every answer is written to
+``--audio-out`` as a wav, and played as it is generated when sounddevice and an output device are there
+(``pip install 'omnitide-mlx[speech]'``; a headless run only writes the files).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import sys
 import threading
 import time
 
-from omnitide_mlx.commands.options import (UsageError, add_kv_arguments, add_policy_arguments, add_sampling_arguments,
-                                           kv_kwargs, parse_questions, positive_float, resolve_watermarks,
+from omnitide_mlx.commands.options import (UsageError, add_kv_arguments, add_media_arguments, add_policy_arguments,
+                                           add_sampling_arguments, kv_kwargs, media_setting, parse_questions,
+                                           positive_float, resolve_watermarks,
                                            sampling_kwargs)
 from omnitide_mlx.errors import MediaError
 
@@ -94,6 +99,40 @@ def capture_loop(session, args, stop: threading.Event, clock: dict) -> None:
         clock["done"] = True
 
 
+def ask(session, q: str, args, n: int):
+    """The answer's text pieces; with --speak its audio is written to a wav (and played) as it comes."""
+    if not args.speak:
+        yield from session.ask(q, **sampling_kwargs(args))
+        return
+    from pathlib import Path
+
+    from omnitide_mlx.speech import AudioChunk, Player, SpeechOptions, WavWriter
+
+    path = Path(args.audio_out) / f"answer_{n:02d}.wav"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = player = None
+    try:
+        for item in session.ask(q, **sampling_kwargs(args), speak=True, speech=SpeechOptions(speaker=args.speaker)):
+            if not isinstance(item, AudioChunk):
+                yield item
+                continue
+            if item.note:
+                print(f"\n({item.note})", file=sys.stderr)
+            if writer is None and item.pcm.size:
+                writer = WavWriter(path, item.sample_rate)
+                player = Player.open(item.sample_rate) if not args.source else None  # headless: files only
+            if writer is not None:
+                writer.write(item)
+            if player is not None:
+                player.play(item)
+    finally:
+        if player is not None:
+            player.close()
+        if writer is not None:
+            writer.close()
+            print(f"\n(spoken answer: {path}, {writer.seconds:.2f} s)", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local model folder or Hugging Face id")
@@ -103,9 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=positive_float, default=None, help="stop after this many seconds of input")
     p.add_argument("--realtime", action=argparse.BooleanOptionalAction, default=True,
                    help="pace --source at one chunk per second (default on)")
+    add_media_arguments(p)
     add_policy_arguments(p)
     add_kv_arguments(p)
     add_sampling_arguments(p, max_tokens=96)
+    p.add_argument("--speak", action="store_true", help="answer in speech too (wav files, played when possible)")
+    p.add_argument("--speaker", default=None, help="the voice (Chelsie or Ethan in the released models)")
+    p.add_argument("--audio-out", default="answers", help="folder for the spoken answers (default ./answers)")
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
                    help="scripted question at T seconds (or m:ss) for headless runs; otherwise type questions")
     return p
@@ -117,6 +160,7 @@ def main(argv=None) -> int:
         scripted = parse_questions(args.ask)
         args.high, args.low = resolve_watermarks(args)
         kv = kv_kwargs(args)
+        media = media_setting(args)
         if args.source is not None:
             from omnitide_mlx.media import MediaStream
 
@@ -132,7 +176,8 @@ def main(argv=None) -> int:
     try:
         with announce(f"loading {args.model}"):
             session = OmniSession(args.model, policy=args.policy, high=args.high, low=args.low,
-                                  kv_budget=args.kv_budget, on_update=console.update, **kv)
+                                  kv_budget=args.kv_budget, on_update=console.update,
+                                  media=None if media == type(media)() else media, **kv)
     except ValueError as e:
         print(f"live_demo: {e}", file=sys.stderr)
         return 1
@@ -154,6 +199,7 @@ def main(argv=None) -> int:
 
         threading.Thread(target=read_stdin, daemon=True).start()
 
+    answered = 0
     try:
         while not stop.is_set():
             while scripted and scripted[0][0] <= clock["t"]:
@@ -166,7 +212,8 @@ def main(argv=None) -> int:
                 if clock["done"] and scripted:
                     questions.put(scripted.pop(0)[1])
                 continue
-            console.answer(q, session.ask(q, **sampling_kwargs(args)))
+            answered += 1
+            console.answer(q, ask(session, q, args, answered))
     except KeyboardInterrupt:
         pass
     finally:

@@ -38,10 +38,16 @@ from .core.page import AllocClass
 from .core.page import MigrationPlanner
 from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
 from .core.sim import make_layout
+from .core.stream_units import MediaSetting, watermark_guard
 from .core.units import History, SpanKind, Unit, UnitKind
 from .errors import InputTooLargeError, MediaError, RestoreError, SamplingError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
+from .models.stream_units import profile_for_spec
+
+
+class RetentionWarning(UserWarning):
+    """The retention settings will not do what they look like (the low watermark cannot hold the recent units)."""
 
 SESSION_FORMAT = 2  # 2: records the model's family and KV shape, and the names of the saved arrays
 READABLE_FORMATS = (1, 2)
@@ -156,6 +162,7 @@ class _Reply:
     stopped: bool = False
     done: bool = False  # finished: the unit is in the history and nothing more is decoded
     abandoned: bool = False  # its iterator was closed or dropped before the end
+    on_forward: Callable | None = None  # (input ids, embeddings, hidden states) of the question and each fed token
 
 
 RESERVE_PAGES = 2  # a KV budget's high watermark sits this many pages under its ceiling (see watermarks_for_budget)
@@ -271,8 +278,11 @@ class StreamingSession:
     def __init__(self, model, processor=None, *, system_prompt: str | None = None,
                  policy: RetentionPolicy | str | None = "omnitide", high: int | None = None, low: int | None = None,
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
-                 on_update: Callable[[UpdateRecord], None] | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = 64, kv_keep_sinks_full: bool = False):
+                 on_update: Callable[[UpdateRecord], None] | None = None, media: MediaSetting | None = None,
+                 kv_bits: int | None = None, kv_group_size: int = 64, kv_keep_sinks_full: bool = False):
+        """``media``: the media setting (frame size, ``max_pixels`` / ``max_slice_nums``; ``get_preset("paper")``)
+        the adapter lays units out at (default: the official long-video processing). A named policy with no
+        ``high`` / ``low`` / ``kv_budget`` gets the model's own watermarks (core/profiles.py, paper figure 14)."""
         # everything that can be checked without the model is checked before it loads
         self.kv_quant = self._check_kv_quant(kv_bits, kv_group_size, kv_keep_sinks_full)
         budget = kv_budget_bytes(kv_budget) if kv_budget is not None else None
@@ -296,8 +306,14 @@ class StreamingSession:
         elif isinstance(model, tuple):
             model, processor = model
         self.model, self.processor = model, processor
-        self.adapter: StreamAdapter = model.stream_adapter(processor)
+        self.media = media
+        self.adapter: StreamAdapter = (model.stream_adapter(processor) if media is None
+                                       else model.stream_adapter(processor, media=media))
         spec = self.adapter.kv_spec
+        self.profile = profile_for_spec(spec)
+        if self.profile is not None and budget is None and high is None and low is None \
+                and not isinstance(policy, RetentionPolicy):
+            self.policy = policy_from(policy, self.profile.high, self.profile.low)
         self.kv_dtype = kv_dtype or self._default_kv_dtype(model)
         self.kv_budget = budget
         if budget is not None:
@@ -321,6 +337,26 @@ class StreamingSession:
             system = self.adapter.system_unit(system_prompt, 0)
             self._check_size(system)
             self._prefill(system, AllocClass.MUST_KEEP)
+        self.warnings: list[str] = []
+        self._guard_watermarks(system.length)
+
+    def stream_units(self):
+        """The media unit this session's adapter builds (a StreamUnits record), or None for text-only models."""
+        fn = getattr(self.adapter, "stream_units", None)
+        return fn() if fn is not None else None
+
+    def _guard_watermarks(self, system_tokens: int) -> None:
+        """Warn once when the low watermark cannot hold the system prefix plus the recent units at this stream's
+        unit size (each trim would then keep the newest unit only)."""
+        recent = getattr(self.policy, "recent_units", None)
+        units = self.stream_units() if recent else None
+        if units is None:
+            return
+        msg = watermark_guard(low=self.policy.low, system_tokens=system_tokens, unit_tokens=units.tokens,
+                              recent_units=recent)
+        if msg:
+            self.warnings.append(msg)
+            warnings.warn(msg, RetentionWarning, stacklevel=3)
 
     def _apply_budget(self) -> None:
         self._max_slots = (budget_slots(self.kv_budget, self.cache.bytes_per_token, self.cache.table.page_size)
@@ -331,6 +367,7 @@ class StreamingSession:
         self._lock = threading.Lock()  # the engine: held for one bounded piece of work, never across a yield
         self._holder: int | None = None  # the thread holding it (a call from that thread would wait for itself)
         self._open: _Reply | None = None  # the reply being decoded; units wait for it to end
+        self._capture_hidden = False  # keep the last forward's hidden states (a reply with on_forward)
         self._flush_requested = False
         self._inbox_lock = threading.Lock()
         self._inbox: deque[_Pending] = deque()
@@ -380,6 +417,11 @@ class StreamingSession:
 
     def _eval(self, *arrays) -> None:
         raise NotImplementedError
+
+    def _captured_hidden(self):
+        """The final-norm hidden states ``[T, hidden]`` of the last ``_forward`` while ``_capture_hidden`` is set
+        (None from a backend that does not keep them)."""
+        return None
 
     def _sampler(self, sampling: Sampling) -> Callable[[Any, list[int]], int]:
         """A function ``(logits, generated ids) -> next id``."""
@@ -432,19 +474,21 @@ class StreamingSession:
     # --- consumer side --------------------------------------------------------------------------------------
     def ask(self, question: str, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
             top_k: int = 0, repetition_penalty: float | None = None, seed: int | None = None,
-            stop: str | list[str] | None = None) -> Iterator[str]:
+            stop: str | list[str] | None = None, on_forward: Callable | None = None) -> Iterator[str]:
         """Ask a question about everything streamed so far; returns the reply as an iterator of text pieces.
 
         Sampling options follow mlx-lm (``temp`` 0 is greedy). The question and the reply become units of the
         history. Queued pushes are processed first, so the answer sees them. One reply at a time: asking again
         (from any thread) ends the open reply where it is, as a stop button would, and its iterator then ends.
         Closing the iterator (or dropping it) ends the reply; pushes made meanwhile are processed then.
+        ``on_forward(ids, embeds, hidden)`` is called for the question unit and for every reply token fed back,
+        with the backend's final-norm hidden states of those tokens (spoken replies read them; see speech.py).
         """
         question = _check_text(question)
         sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, stop)
 
         def reply() -> Iterator[str]:
-            r = _Reply(question, sampling)
+            r = _Reply(question, sampling, on_forward=on_forward)
             try:
                 with self._engine(settle=False):
                     if self._open is not None:
@@ -470,8 +514,14 @@ class StreamingSession:
         return "".join(self.ask(question, **kwargs))
 
     # --- introspection ----------------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Chunks pushed and not yet turned into units (a capture loop that outruns the model sees this grow)."""
+        with self._inbox_lock:
+            return len(self._inbox)
+
     def stats(self) -> dict:
-        with self._engine(settle=False, read=True):
+        with self._engine(read=True):
             layout = self.cache.layout_stats()
             c = self.counters
             return {
@@ -480,6 +530,8 @@ class StreamingSession:
                 "layout": self.policy.layout,
                 "high": self.policy.high,
                 "low": self.policy.low,
+                "profile": self.profile.name if self.profile is not None else None,
+                "tokens_per_unit": self._units_json(),
                 "units": len(self.history),
                 "retained_cells": layout.retained_cells,
                 "logical_tokens": self.history.total_tokens,
@@ -506,6 +558,11 @@ class StreamingSession:
                     "decode_tokens_per_s": (c.decoded_tokens / (c.decode_ms / 1000)) if c.decode_ms else 0.0,
                 },
             }
+
+    def _units_json(self) -> dict | None:
+        u = self.stream_units()
+        return None if u is None else {"tokens": u.tokens, "by_kind": u.tokens_by_kind(),
+                                       "setting": u.setting.to_json()}
 
     # --- persistence --------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
@@ -934,9 +991,12 @@ class StreamingSession:
 
     def _begin_reply(self, r: _Reply) -> None:
         """Prefill the question as a unit and open the reply (its tokens will belong to the next uid)."""
-        self._unit(self.adapter.user_unit(r.question, self.history.next_position()),
-                   reserve=r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None else 0,
-                   question=True)
+        prepared = self.adapter.user_unit(r.question, self.history.next_position())
+        self._capture_hidden = r.on_forward is not None
+        self._unit(prepared, reserve=r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None
+                   else 0, question=True)
+        if r.on_forward is not None:
+            r.on_forward(prepared.input_ids, prepared.inputs_embeds, self._captured_hidden())
         r.logits = self._last_logits
         r.sample = self._sampler(r.sampling)
         r.uid = self.history.next_uid()
@@ -957,8 +1017,10 @@ class StreamingSession:
                 return self._finish_reply(r)
             r.generated.append(token)
             axes = self.adapter.kv_spec.position_axes
-            r.logits = self._forward(self.adapter.embed_tokens([token]),
-                                     text_positions(r.start + len(r.generated) - 1, 1, axes))
+            embeds = self.adapter.embed_tokens([token])
+            r.logits = self._forward(embeds, text_positions(r.start + len(r.generated) - 1, 1, axes))
+            if r.on_forward is not None:
+                r.on_forward(np.asarray([token]), embeds, self._captured_hidden())
         finally:
             self.counters.decode_ms += (time.perf_counter() - t0) * 1000
         text = self.adapter.decode(r.generated)
@@ -980,6 +1042,7 @@ class StreamingSession:
         if r.done:
             return ""
         r.done = True
+        self._capture_hidden = False
         if self._open is r:
             self._open = None
         t0 = time.perf_counter()

@@ -94,10 +94,39 @@ class OmniSession(StreamingSession):
 
     def _forward(self, embeds: mx.array, positions: np.ndarray) -> mx.array:
         pos = mx.array(positions if positions.shape[0] > 1 else positions[0])
-        logits = self.model.language_model(embeds[None], self.cache, pos, last_only=True)
+        lm = self.model.language_model
+        if self._capture_hidden:  # a spoken reply: the talker reads these (same logits as the path below)
+            hidden = lm.hidden_states(embeds[None], self.cache, pos)
+            self._hidden = hidden[0]
+            out = lm.logits(hidden[:, -1:])[0, -1]
+            mx.async_eval(out, self._hidden)
+            return out
+        logits = lm(embeds[None], self.cache, pos, last_only=True)
         out = logits[0, -1]
         mx.async_eval(out)
         return out
+
+    def ask(self, question: str, *, speak: bool = False, speaker: str | None = None, speech=None, **kwargs):
+        """The engine's ``ask`` (text pieces); with ``speak=True`` the iterator also yields
+        :class:`~omnitide_mlx.speech.AudioChunk` objects as the spoken reply is ready (``speaker``: a voice of the
+        checkpoint, default Chelsie; ``speech``: :class:`~omnitide_mlx.speech.SpeechOptions`). A checkpoint
+        without a talker raises ``SpeechUnavailable`` and an unknown speaker ``ValueError``, before anything runs."""
+        if not speak:
+            return super().ask(question, **kwargs)
+        from dataclasses import replace
+
+        from .speech import SpeechOptions, speech_for, spoken_reply
+
+        options = replace(speech or SpeechOptions(), speaker=speaker if speaker is not None else
+                          (speech.speaker if speech else None))
+        model = speech_for(self)
+        model.voice(options.speaker)  # an unknown speaker fails here, not mid-reply
+        text_ask = super().ask
+        text_ask(question, **kwargs).close()  # validates the question and options the same way, eagerly
+        return spoken_reply(self, text_ask, question, model, options, **kwargs)
+
+    def _captured_hidden(self) -> mx.array | None:
+        return getattr(self, "_hidden", None) if self._capture_hidden else None
 
     def _eval(self, *arrays) -> None:
         mx.eval(*[a for a in arrays if a is not None])

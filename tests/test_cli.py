@@ -307,3 +307,30 @@ def test_stream_with_quantised_kv(tiny_checkpoints, media_dir, tmp_path):
     r = omnitide("stream", "--backend", "torch", "--model", tiny_checkpoints["qwen"], "--audio",
                  media_dir / "tone_440_1s_16k.wav", "--kv-bits", 8, "--quiet")
     assert r.returncode != 0 and "float K/V only" in r.stderr
+
+
+def test_other_subcommands_check_flags_and_output_paths_first(tmp_path, capsys):
+    """One set of checks across subcommands: bad numbers and unusable output paths fail before any work."""
+    cases = [
+        (["simulate", "--seconds", "-2"], "--seconds"),
+        (["simulate", "--page-size", "0"], "--page-size"),
+        (["simulate", "--seconds", "5", "--json", "/dev/null/sim.json"], "is not a folder"),
+        (["simulate", "--seconds", "5", "--plot", tmp_path], "is a folder"),
+        (["bench", "attention", "--json", "/dev/null/b.json"], "is not a folder"),
+        (["eval", "streamingbench", "--data", tmp_path, "--model", "m", "--out", tmp_path, "-m", "0"],
+         "--max-tokens"),
+        (["eval", "livesports", "--data", tmp_path, "--model", "m", "--out", tmp_path, "--interval", "-5"],
+         "--interval"),
+    ]
+    for argv, message in cases:
+        rc, out, err = _main(capsys, *argv)
+        assert rc == 2 and message in err, (argv, rc, err)
+    rc, out, err = _main(capsys, "simulate", "--seconds", "20", "--no-progress")
+    assert rc == 0 and "policy omnitide" in out
+
+
+def test_convert_takes_mlx_lms_hf_path_and_shows_each_stage(tiny_checkpoints, tmp_path):
+    r = omnitide("convert", "--hf-path", tiny_checkpoints["qwen"], "--mlx-path", tmp_path / "q", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "loading" in r.stderr and "quantising and writing 4-bit (group 64) weights" in r.stderr
+    assert r.stderr.count(" done in ") == 2 and "wrote 4-bit (group 64) MLX model" in r.stdout

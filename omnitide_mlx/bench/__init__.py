@@ -9,6 +9,7 @@ run loads no MLX; the listing's one-line help is therefore kept here (tests/test
 BENCHMARKS: dict[str, str] = {
     "attention": "omnitide_mlx.bench.attention",
     "stream": "omnitide_mlx.bench.stream",
+    "speech": "omnitide_mlx.bench.speech",
 }
 
 # where a benchmark's HELP, DESCRIPTION and add_arguments live when not in its module (imports no array framework)
@@ -20,4 +21,5 @@ HELP: dict[str, str] = {
     "attention": "time dense full-context attention against tile-skip attention on the OmniPick layouts "
                  "(native / OmniPage / eager)",
     "stream": "stream-loop benchmark: update latency, attention, maintenance, sessions and memory for every policy",
+    "speech": "spoken answers: talker tokens/s, token2wav real-time factor and time to first audio, MLX vs PyTorch",
 }

@@ -403,7 +403,14 @@ def run(args: argparse.Namespace) -> int:
               f"(cpu x{r['cpu_speedup_vs_full']:.2f}, ratio {r['cpu_ratio_to_limit']:.2f})", flush=True)
 
     kv_quant = (args.kv_bits, args.kv_group_size) if getattr(args, "kv_bits", None) else None
-    result = run_bench(args.shape, histories, policy=args.policy, dtype=getattr(mx, args.dtype),
+    from ..commands.options import UsageError, media_setting
+
+    try:
+        setting = media_setting(args)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    result = run_bench(args.shape, histories, setting=setting, policy=args.policy, dtype=getattr(mx, args.dtype),
                        sdpa_max_history=args.sdpa_max_history, seed=args.seed, reps=args.reps, log=log, path=path,
                        kv_quant=kv_quant, kv_held_tokens=getattr(args, "kv_held_tokens", 0), **kw)
     write_outputs(result, args, markdown=markdown, plot=plot)

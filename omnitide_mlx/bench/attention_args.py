@@ -39,6 +39,9 @@ example:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen2.5-omni-7b", choices=sorted(PROFILES),
                    help="model profile: attention shape, unit size, token rates (default qwen2.5-omni-7b)")
+    from ..commands.options import add_media_arguments
+
+    add_media_arguments(p)
     p.add_argument("--history", default="4096,8192,16384,32768,65536",
                    help="comma-separated no-slide checkpoints in tokens (default 4096,...,65536)")
     p.add_argument("--policy", default="omnipick", help="retention policy for the layouts (default omnipick)")

@@ -1042,6 +1042,9 @@ def markdown(result: dict) -> str:
 # --- command line (omnitide bench stream) ----------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..commands.options import add_media_arguments
+
+    add_media_arguments(p)
     p.add_argument("--shape", default="qwen2.5-omni-3b", choices=sorted(SHAPES),
                    help="model shape and unit layout (default qwen2.5-omni-3b; 'tiny' is for smoke tests)")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the benchmark model (default 1)")
@@ -1087,7 +1090,14 @@ def run(args: argparse.Namespace) -> int:
     def log(x):
         print(x, flush=True)
 
-    result = run_bench(args.shape, checkpoints, layers=args.layers, vocab=args.vocab, reps=args.reps,
+    from ..commands.options import UsageError, media_setting
+
+    try:
+        setting = media_setting(args)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    result = run_bench(args.shape, checkpoints, setting=setting, layers=args.layers, vocab=args.vocab, reps=args.reps,
                        attention_reps=args.attention_reps, session_seconds=args.session_seconds,
                        question_every=args.question_every, session_tokens=args.session_tokens, policies=policies,
                        sessions=not args.no_sessions, seed=args.seed, log=log)

@@ -64,10 +64,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omnitide_mlx.bench import BENCHMARKS
 
+    from .options import UsageError, check_output_file
+
     name = getattr(args, "_bench_name", None)
     if not name:
         args._bench_parser.print_help()
         return 2
+    try:  # an unusable output path fails before the benchmark runs, not after
+        check_output_file(getattr(args, "json_path", None), "--json")
+        check_output_file(getattr(args, "plot", None), "--plot")
+    except UsageError as e:
+        args._bench_parser.error(str(e))
     if getattr(args, "backend", "mlx") == "torch":
         return int(importlib.import_module(TORCH_BENCHMARKS[name]).run(args) or 0)
     if getattr(args, "device", None):

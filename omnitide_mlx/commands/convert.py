@@ -18,7 +18,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local model folder or Hugging Face id (org/name)")
+    parser.add_argument("--model", "--hf-path", dest="model", required=True,
+                        help="local model folder or Hugging Face id (org/name); --hf-path as mlx_lm.convert names it")
     parser.add_argument("--mlx-path", required=True, help="output folder for the converted model")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantise the weights")
     parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="bits per weight (4)")
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..models import load
     from ..models.loading import CheckpointError, load_config, resolve_model_path, save_converted
+    from .stream import announce
 
     dst = Path(args.mlx_path).expanduser()
     try:
@@ -50,14 +52,28 @@ def run(args: argparse.Namespace) -> int:
         if config.get("quantization"):
             print(f"error: {src} is already quantised", file=sys.stderr)
             return 2
-        model, _ = load(src)
+        with announce(f"loading {src}"):
+            model, _ = load(src)
+        speech = None
+        if config.get("model_type") == "qwen2_5_omni":  # the talker, token2wav and voices go to dst/speech/
+            from ..models.qwen2_5_omni.speech import has_speech, load_speech
+
+            if has_speech(src, config):
+                speech = load_speech(src, config)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     dtype = getattr(mx, args.dtype) if args.dtype else None
-    written = save_converted(model, config, src, dst, bits=args.q_bits if args.quantize else None,
-                             group_size=args.q_group_size, dtype=dtype,
-                             quant_predicate=getattr(model, "quant_predicate", None))
+    what = f"{args.q_bits}-bit (group {args.q_group_size})" if args.quantize else (args.dtype or "unquantised")
+    with announce(f"{'quantising and ' if args.quantize else ''}writing {what} weights to {dst}"):
+        written = save_converted(model, config, src, dst, bits=args.q_bits if args.quantize else None,
+                                 group_size=args.q_group_size, dtype=dtype,
+                                 quant_predicate=getattr(model, "quant_predicate", None))
+    if speech is not None:
+        from ..models.qwen2_5_omni.speech import save_speech
+
+        save_speech(speech, dst)  # float, MLX layout; spk_dict.pt becomes speech/speakers.safetensors
+        print(f"wrote the talker, token2wav and {len(speech.speakers)} voices to {dst / 'speech'}")
     what = (f"{written['quantization']['bits']}-bit (group {written['quantization']['group_size']})"
             if args.quantize else (args.dtype or "unquantised"))
     print(f"wrote {what} MLX model to {dst}")

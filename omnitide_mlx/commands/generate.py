@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
-from .options import (add_kv_arguments, add_model_arguments, add_progress_argument, add_sampling_arguments,
-                      sampling_kwargs)
+from .options import (UsageError, add_kv_arguments, add_media_arguments, add_model_arguments, add_progress_argument,
+                      add_sampling_arguments, sampling_kwargs)
+from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args
 from .stream import check_model, session_from_args
 
 HELP = "answer one prompt about optional images, audio or a video (like mlx_lm.generate)"
@@ -21,6 +22,7 @@ examples:
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
+    add_media_arguments(p)
     p.add_argument("--prompt", "-p", required=True, help="the question or instruction")
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--audio", default=None, help="audio file")
@@ -28,6 +30,7 @@ def add_arguments(p) -> None:
     add_kv_arguments(p)
     add_sampling_arguments(p)
     add_progress_argument(p)
+    add_speech_arguments(p)
     p.add_argument("--verbose", action="store_true", help="print per-unit details")
 
 
@@ -40,6 +43,11 @@ def run(args) -> int:
 
     if not args.prompt.strip():
         print("omnitide generate: --prompt is empty", file=sys.stderr)
+        return 2
+    try:
+        check_speech_args(args)
+    except UsageError as e:
+        print(f"omnitide generate: {e}", file=sys.stderr)
         return 2
     try:
         check_model(args)
@@ -59,6 +67,7 @@ def run(args) -> int:
                     session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
                     bar.update(1)
         session.flush()
+        speaker = SpokenAnswers(session, args, "omnitide generate")
     except (MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide generate: {e}", file=sys.stderr)
         return 1
@@ -66,7 +75,7 @@ def run(args) -> int:
     tokens_before = session.history.total_tokens
     t1 = time.perf_counter()
     first = None
-    for piece in session.ask(args.prompt, **sampling_kwargs(args)):
+    for piece in speaker.ask(args.prompt, **sampling_kwargs(args)):
         if first is None:
             first = time.perf_counter()
         print(piece, end="", flush=True)

@@ -21,7 +21,8 @@ examples:
   omnitide simulate --profile qwen2.5-omni-7b --policy streamingllm --migration ordered_suffix
 """
 
-POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
+from .options import (POLICIES, UsageError, add_progress_argument, check_output_file, non_negative_int,  # noqa: F401
+                      positive_int)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,35 +30,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--profile", default="qwen2.5-omni-7b", choices=sorted(PROFILES),
                    help="model profile: token rates, unit layout, KV shape (default qwen2.5-omni-7b)")
-    p.add_argument("--seconds", type=int, default=240, help="stream length in seconds (default 240)")
+    p.add_argument("--seconds", type=positive_int, default=240, help="stream length in seconds (default 240)")
     p.add_argument("--policy", choices=POLICIES, default="omnitide", help="retention policy (default omnitide)")
-    p.add_argument("--high", type=int, default=None,
+    p.add_argument("--high", type=positive_int, default=None,
                    help="high watermark in tokens (default: the profile's, paper figure 14: Qwen2.5-Omni-3B 5000, "
                         "7B 8000, MiniCPM-o 2500)")
-    p.add_argument("--low", type=int, default=None,
+    p.add_argument("--low", type=positive_int, default=None,
                    help="low watermark in tokens (default: the profile's: 3500 / 6000 / 1800)")
-    p.add_argument("--recent-units", type=int, default=None, help="OmniPick: newest units kept whole")
-    p.add_argument("--image-sink", type=int, default=None, help="OmniPick: sink prefix of older image spans")
-    p.add_argument("--audio-sink", type=int, default=None, help="OmniPick: sink prefix of older audio spans")
-    p.add_argument("--slice-sink", type=int, default=None, help="OmniPick: sink prefix of older image slices")
-    p.add_argument("--text-budget", type=int, default=None, help="OmniPick: shared budget for older text/replies")
+    p.add_argument("--recent-units", type=non_negative_int, default=None, help="OmniPick: newest units kept whole")
+    p.add_argument("--image-sink", type=non_negative_int, default=None, help="OmniPick: sink prefix of older image spans")
+    p.add_argument("--audio-sink", type=non_negative_int, default=None, help="OmniPick: sink prefix of older audio spans")
+    p.add_argument("--slice-sink", type=non_negative_int, default=None, help="OmniPick: sink prefix of older image slices")
+    p.add_argument("--text-budget", type=non_negative_int, default=None, help="OmniPick: shared budget for older text/replies")
+    p.add_argument("--recent-count", choices=["media", "all"], default=None,
+                   help="OmniPick: what --recent-units counts: media units, with the questions and replies after "
+                        "them kept whole too (default), or every unit (the rule before issue 12)")
     from .options import add_media_arguments
 
     add_media_arguments(p)
     p.add_argument("--migration", choices=["class_aware", "ordered_suffix"], default="class_aware",
                    help="OmniPage migration: class_aware (tile-skipping kernels, the MLX path; default) or "
                         "ordered_suffix (span-traversing kernels)")
-    p.add_argument("--min-gain-pages", type=int, default=1, help="ordered_suffix: least span gain in pages (1)")
-    p.add_argument("--page-size", type=int, default=64, help="slots per page = attention tile (default 64)")
-    p.add_argument("--subblock-size", type=int, default=32, help="slots per subblock = decode tile (default 32)")
-    p.add_argument("--question-every", type=int, default=30,
+    p.add_argument("--min-gain-pages", type=positive_int, default=1, help="ordered_suffix: least span gain in pages (1)")
+    p.add_argument("--page-size", type=positive_int, default=64, help="slots per page = attention tile (default 64)")
+    p.add_argument("--subblock-size", type=positive_int, default=32, help="slots per subblock = decode tile (default 32)")
+    p.add_argument("--question-every", type=non_negative_int, default=30,
                    help="a question and a reply every N seconds; 0 = never (default 30)")
     p.add_argument("--seed", type=int, default=0, help="stream seed: question and reply lengths (default 0)")
-    p.add_argument("--series-every", type=int, default=None,
+    p.add_argument("--series-every", type=positive_int, default=None,
                    help="keep every Nth update in the JSON series (default: all, or about 5000 points)")
     p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, help="write the plot (PNG) here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_argument(p)
     p.add_argument("--check", action="store_true", help="validate every page table against the history each update")
 
 
@@ -71,17 +75,24 @@ def run(args: argparse.Namespace) -> int:
 
     from .options import UsageError, media_setting
 
+    try:  # unusable output paths fail before the simulation, not after it
+        check_output_file(args.json_path, "--json")
+        check_output_file(args.plot, "--plot")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         profile = resolve_profile(args.profile, media_setting(args))
         kw = {k: v for k, v in (("high", args.high), ("low", args.low), ("recent_units", args.recent_units),
                                 ("image_sink", args.image_sink), ("audio_sink", args.audio_sink),
-                                ("slice_sink", args.slice_sink), ("text_budget", args.text_budget))
+                                ("slice_sink", args.slice_sink), ("text_budget", args.text_budget),
+                                ("recent_count", args.recent_count))
               if v is not None}
         if "high" in kw and "low" not in kw:
             kw["low"] = min(kw["high"], profile.low)
         if "low" in kw and "high" not in kw:
             kw["high"] = max(kw["low"], profile.high)
-        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget"}
+        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget", "recent_count"}
         if args.policy not in ("omnitide", "omnipick", "eager") and knobs & set(kw):
             print(f"error: {sorted(knobs & set(kw))} apply to omnipick / omnitide / eager only", file=sys.stderr)
             return 2

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 # the shared flags live in options.py; re-exported here for callers that import them from this module
+from ..core.stream_units import MediaSetting
+from .options import add_media_arguments, media_setting  # noqa: I001
 from .options import (POLICIES, UsageError, add_model_arguments, add_policy_arguments,  # noqa: F401
                       add_progress_argument, add_sampling_arguments, check_output_dir, check_output_file,
                       parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
@@ -32,6 +34,9 @@ examples:
 """
 
 
+from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args  # noqa: E402
+
+
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["mlx", "torch"], default="mlx",
                    help="mlx (default) or torch: transformers' Qwen2.5-Omni thinker on PyTorch (CUDA or CPU; needs "
@@ -42,6 +47,7 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_backend_arguments(p)
+    add_media_arguments(p)
     p.add_argument("--video", default=None, help="video file (its audio track is used unless --audio is given)")
     p.add_argument("--audio", default=None, help="audio file (wav/flac/ogg/mp3/m4a/...)")
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
@@ -55,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", action="store_true", help="print one line per streaming update (to stderr)")
     p.add_argument("--json", default=None, metavar="PATH", help="write answers and per-update KV figures as JSON")
     p.add_argument("--save-session", default=None, metavar="DIR", help="save the session state at the end")
+    add_speech_arguments(p)
     add_progress_argument(p, legacy_quiet=True)
 
 
@@ -67,6 +74,8 @@ def check_args(args) -> None:
     check_output_file(getattr(args, "json", None), "--json")
     check_output_dir(getattr(args, "save_session", None), "--save-session")
     kv_kwargs(args)
+    if hasattr(args, "speak"):
+        check_speech_args(args)
 
 
 def check_model(args) -> None:
@@ -97,6 +106,9 @@ def session_from_args(args, on_update=None):
     shared model / policy flags (already checked by ``check_args``)."""
     backend = getattr(args, "backend", "mlx")
     kv = kv_kwargs(args)
+    media = media_setting(args) if hasattr(args, "preset") else None  # a bad knob fails before the model loads
+    if media is not None and media == MediaSetting():
+        media = None  # the adapter's own defaults (text-only adapters take no media setting)
     if backend == "torch":
         try:
             import torch
@@ -118,7 +130,8 @@ def session_from_args(args, on_update=None):
     with announce(f"loading {args.model}"):
         model, processor = load(args.model, **load_kw)
     session = session_class((model, processor), system_prompt=args.system_prompt, policy=args.policy,
-                            high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update, **kv)
+                            high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update,
+                            media=media, **kv)
     session.model_path = _saved_model_path(args.model)
     return session
 
@@ -204,6 +217,7 @@ def run(args) -> int:
         check_model(args)  # a wrong model name fails before any media is decoded
         media = MediaStream(args.video, args.audio, seconds=args.seconds)  # both files checked, nothing decoded
         session = session_from_args(args, on_update=on_update)
+        speaker = SpokenAnswers(session, args, "omnitide stream")
     except (MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide stream: {e}", file=sys.stderr)
         return 1
@@ -226,7 +240,7 @@ def run(args) -> int:
             t, q = pending.pop(0)
             progress.clear()
             print(f"\n[{t:g}s] Q: {q}", flush=True)
-            pieces = iter(session.ask(q, **sampling_kwargs(args)))
+            pieces = iter(speaker.ask(q, label=f"{t:g}s", **sampling_kwargs(args)))
             first = next(pieces, "")  # the question's update (and its --stats line) happens here, before "A:"
             sys.stderr.flush()
             print(f"A: {first}", end="", flush=True)
@@ -265,6 +279,9 @@ def run(args) -> int:
         print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
         status = 1
     if args.json:
+        if speaker.enabled:
+            for a, f in zip(answers, speaker.files):
+                a["speech"] = f
         out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
                "media": {"units": streamed, "video_seconds": media.frames if args.video else 0,
                          "audio_seconds": round(media.audio_seconds, 3),

@@ -410,10 +410,18 @@ class H2O(RetentionPolicy):
         return {**super().config(), "recent": self.recent}
 
 
+RECENT_COUNTS = ("media", "all")
+
+
 class OmniPick(RetentionPolicy):
     """OmniPick (paper 5.1). Triggered above ``high``, trims toward ``low``:
 
-    1. keeps the system prefix and the ``recent_units`` newest stream units whole;
+    1. keeps the system prefix and the ``recent_units`` newest stream units whole; ``recent_count="media"`` (the
+       default) counts media units only, and the question and reply units after the oldest of them stay whole
+       with them, so a question and its reply never push the frames asked about out of the window (the paper's
+       unit is a time chunk holding its text; here question and reply are units of their own). ``"all"`` counts
+       every stream unit (measured in docs/simulator.md: on MiniCPM-o at the paper's units, "all" leaves no whole
+       frame after some replies, "media" always two);
     2. from every older unit, oldest to newest: all boundary tokens, the first ``image_sink`` tokens of each
        image span, the first ``audio_sink`` of each audio span, the whole source image and the first
        ``slice_sink`` tokens of each slice of a sliced image; text and earlier replies oldest to newest within
@@ -426,8 +434,12 @@ class OmniPick(RetentionPolicy):
     name = "omnipick"
 
     def __init__(self, high: int = 2500, low: int = 1800, recent_units: int = 2, image_sink: int = 4,
-                 audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "native"):
+                 audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "native",
+                 recent_count: str = "media"):
         super().__init__(high, low, layout)
+        if recent_count not in RECENT_COUNTS:
+            raise RetentionError(f"recent_count must be one of {RECENT_COUNTS}, got {recent_count!r}")
+        self.recent_count = recent_count
         for k, v in (("image_sink", image_sink), ("audio_sink", audio_sink), ("slice_sink", slice_sink),
                      ("text_budget", text_budget)):
             if not isinstance(v, (int, np.integer)) or v < 0:
@@ -465,6 +477,10 @@ class OmniPick(RetentionPolicy):
         if history.system_unit is not None:
             keep[:history.system_tokens] = True
         n_old = max(0, len(stream) - self.recent_units)
+        if self.recent_count == "media":  # the newest recent_units media units, and the text units after them
+            media = [j for j, i in enumerate(stream) if history[i].kind is UnitKind.MEDIA]
+            if len(media) >= self.recent_units:
+                n_old = media[-self.recent_units]
         text_left = self.text_budget
         partial: list[int] = []
         complete: list[int] = []
@@ -490,7 +506,8 @@ class OmniPick(RetentionPolicy):
 
     def config(self):
         return {**super().config(), "recent_units": self.recent_units, "image_sink": self.image_sink,
-                "audio_sink": self.audio_sink, "slice_sink": self.slice_sink, "text_budget": self.text_budget}
+                "audio_sink": self.audio_sink, "slice_sink": self.slice_sink, "text_budget": self.text_budget,
+                "recent_count": self.recent_count}
 
 
 class OmniTide(OmniPick):
@@ -499,8 +516,10 @@ class OmniTide(OmniPick):
     name = "omnitide"
 
     def __init__(self, high: int = 2500, low: int = 1800, recent_units: int = 2, image_sink: int = 4,
-                 audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "omnipage"):
-        super().__init__(high, low, recent_units, image_sink, audio_sink, slice_sink, text_budget, layout)
+                 audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "omnipage",
+                 recent_count: str = "media"):
+        super().__init__(high, low, recent_units, image_sink, audio_sink, slice_sink, text_budget, layout,
+                         recent_count)
 
 
 POLICIES: dict[str, tuple[type[RetentionPolicy], dict[str, Any]]] = {

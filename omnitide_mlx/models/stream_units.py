@@ -8,7 +8,7 @@ with; tests/models/test_stream_units.py checks the equality on real frames).
 
 from __future__ import annotations
 
-from ..core.profiles import ModelProfile, ProfileError, get_profile
+from ..core.profiles import PROFILES, ModelProfile, ProfileError, get_profile
 from ..core.stream_units import MediaSetting, StreamUnits, get_preset
 
 
@@ -42,3 +42,13 @@ def resolve_profile(profile: ModelProfile | str, setting: MediaSetting | str | N
     if setting is None and prof.units is not None:
         return prof
     return prof.with_units(stream_units(prof, setting))
+
+
+def profile_for_spec(spec) -> ModelProfile | None:
+    """The profile of a loaded model from its KV shape (a ``KVSpec``: position axes, layers, KV heads, head dim), or
+    None (tiny test models, text-only models): how a session finds the model's default watermarks."""
+    axes = getattr(spec, "position_axes", 1)
+    for p in PROFILES.values():
+        if (p.rope_axes, p.layers, p.kv_heads, p.head_dim) == (axes, spec.num_layers, spec.kv_heads, spec.head_dim):
+            return p
+    return None

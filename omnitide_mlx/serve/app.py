@@ -11,11 +11,13 @@ WebSocket protocol (``/v1/sessions/{id}/ws``; JSON text messages, or binary ``[u
   {"type": "unit", "seq": 7, "t": 3.0, "frame": {"format": "jpeg"|"png"|"rgb"|"rgba", "data": b64 | "bytes": n,
    "width", "height"}, "audio": {"format": "pcm_s16le"|"pcm_f32le", "sample_rate": 48000, "channels": 1,
    "data": b64 | "bytes": n}, "text": "..."}        (any of frame / audio / text)
-  {"type": "ask", "id": "q1", "question": "...", "max_tokens", "temp", "top_p", "min_p", "top_k", "seed", "stop"}
+  {"type": "ask", "id": "q1", "question": "...", "max_tokens", "temp", "top_p", "min_p", "top_k", "seed", "stop",
+   "speak": false, "speaker": "Chelsie"}
   {"type": "cancel"[, "id"]}   {"type": "flush"}   {"type": "stats"}   {"type": "save", "name": "..."}
   {"type": "ping"}
 Server -> client:
   ready {session, stats, limits}; pushed {seq, updates}; update {seq, record}; answer_start / piece {id, text} /
+  audio {id, index, format: pcm_s16le, sample_rate, data: b64, final, note} (spoken answers);
   answer_end {id, text, tokens, finish_reason}; flushed; saved {name}; stats {info}; pong;
   error {code, message, seq | id}: the session goes on; session_deleted, then the socket closes.
 """
@@ -240,7 +242,11 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
                 if not isinstance(q, str) or not q.strip():
                     raise ClientError("bad_request", "ask needs a non-empty question")
                 sampling = sampling_from(msg, manager.config.default_max_tokens, limits.max_tokens)
-                ms.submit(Job("ask", {"id": msg.get("id"), "question": q, "sampling": sampling})).add_done_callback(
+                speak, speaker = msg.get("speak", False), msg.get("speaker")
+                if not isinstance(speak, bool) or (speaker is not None and not isinstance(speaker, str)):
+                    raise ClientError("bad_request", "speak must be true or false, speaker a voice name")
+                ms.submit(Job("ask", {"id": msg.get("id"), "question": q, "sampling": sampling, "speak": speak,
+                                      "speaker": speaker})).add_done_callback(
                     lambda f, r=ref: reply(f, r))
             elif kind == "cancel":
                 ms.cancel_answer(msg.get("id"))

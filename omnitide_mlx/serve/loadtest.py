@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(timeout=30)
     lat, upd = report["latency_ms"], report["server_update_ms"]
-    print(f"{report['sessions']} sessions x {report['seconds']:g} s at {report['rate_per_session']:g} units/s "
+    rate = f"{args.rate:g} units/s" if args.rate else f"full speed (window {args.window})"
+    print(f"{report['sessions']} sessions x {report['seconds']:g} s at {rate} "
           f"(frame {report['frame']}): sent {report['sent']}, pushed {report['pushed']}, errors {report['errors']}, "
           f"lost {report['lost']}")
     print(f"throughput {report['throughput_units_per_s']:.2f} units/s; latency ms p50 {lat.get('p50', 0):.0f} "

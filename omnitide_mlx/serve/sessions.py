@@ -15,6 +15,7 @@ Why this shape:
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import secrets
 import threading
@@ -115,7 +116,7 @@ class ManagedSession:
         self.queued = 0
         self.answering = False
         self.counts = {"units_received": 0, "units_pushed": 0, "rejected": 0, "answers": 0, "cancelled_answers": 0,
-                       "pieces": 0}
+                       "pieces": 0, "audio_chunks": 0}
         self.last_stats: dict = {}
         self._sink: Callable[[dict], None] | None = None
         self._jobs: asyncio.Queue[Job | None] = asyncio.Queue()
@@ -247,8 +248,19 @@ class ManagedSession:
     def _ask(self, job: Job) -> dict:
         gate, s, qid = self.manager.gate, self.session, job.args.get("id")
         before = s.counters.decoded_tokens
+        speak = job.args.get("speak", False)
         try:
-            it = s.ask(job.args["question"], **job.args["sampling"])
+            if speak:  # loads the talker and token2wav on first use: a model step's worth of work
+                from ..speech import SpeechUnavailable
+
+                try:
+                    with gate.step():
+                        it = s.ask(job.args["question"], speak=True, speaker=job.args.get("speaker"),
+                                   **job.args["sampling"])
+                except SpeechUnavailable as e:
+                    raise ClientError("speech_unavailable", f"this model cannot speak: {e}") from None
+            else:
+                it = s.ask(job.args["question"], **job.args["sampling"])
         except (MediaError, ValueError) as e:
             raise ClientError("bad_request", str(e)) from None
         pieces: list[str] = []
@@ -260,6 +272,12 @@ class ManagedSession:
                     piece = next(it, None)
                 if piece is None:
                     break
+                if not isinstance(piece, str):  # an AudioChunk of the spoken reply
+                    self.counts["audio_chunks"] += 1
+                    self.emit({"type": "audio", "id": qid, "index": piece.index, "format": "pcm_s16le",
+                               "sample_rate": piece.sample_rate, "final": piece.final, "note": piece.note,
+                               "data": base64.b64encode(piece.int16().astype("<i2").tobytes()).decode()})
+                    continue
                 pieces.append(piece)
                 self.counts["pieces"] += 1
                 self.emit({"type": "piece", "id": qid, "text": piece})

@@ -201,7 +201,8 @@ def test_omnipick_paper_example_keeps_boundaries_sinks_and_text_budget():
     h.append(build_unit(5, ("user", 12), h.next_position(), 1))
     h.append(build_unit(6, ("reply", 30), h.next_position(), 1))
     h.append(build_unit(7, spec, h.next_position(), 1))
-    p = OmniPick(high=200, low=180, recent_units=2, image_sink=3, audio_sink=2, slice_sink=1, text_budget=20)
+    p = OmniPick(high=200, low=180, recent_units=2, image_sink=3, audio_sink=2, slice_sink=1, text_budget=20,
+                 recent_count="all")  # figure 6 literally: the reply and the newest unit are the recent two
     plan = p.plan(h)
     assert plan is not None
     new = apply_plan(h, plan)
@@ -221,7 +222,7 @@ def test_omnipick_paper_example_keeps_boundaries_sinks_and_text_budget():
     assert plan.tokens_after == 10 + 4 * 16 + 17 + 32 + h.unit(7).length
     # a smaller text budget truncates the question to its prefix and drops nothing else
     plan2 = OmniPick(high=200, low=180, recent_units=2, image_sink=3, audio_sink=2, slice_sink=1,
-                     text_budget=5).plan(h)
+                     text_budget=5, recent_count="all").plan(h)
     assert [(s.kind, s.length) for s in apply_plan(h, plan2).unit(5).spans][1] == (SpanKind.TEXT, 5)
 
 
@@ -331,3 +332,30 @@ def test_make_policy_names_and_layouts():
     assert make_policy("eager").layout == "eager" and isinstance(make_policy("eager"), OmniPick)
     assert make_policy("StreamingLLM").sink == 2
     assert make_policy("omnitide", high=3000, low=2000, image_sink=8).config()["image_sink"] == 8
+
+
+def test_recent_units_count_media_units():
+    """A question and its reply do not push the frames asked about out of the recent window (issue 12):
+    with recent_count="media" the two newest media units stay whole right after every reply; counting every unit
+    (the previous rule) leaves none whole after some replies on MiniCPM-o at the paper's units."""
+    from omnitide_mlx.core.profiles import StreamSpec
+    from omnitide_mlx.core.sim import Simulator
+    from omnitide_mlx.core.units import UnitKind
+    from omnitide_mlx.models.stream_units import resolve_profile
+
+    prof = resolve_profile("minicpm-o-4.5", "paper")
+    whole = {}
+    for rule in ("media", "all"):
+        pol = make_policy("omnipick", profile=prof, recent_count=rule)
+        sim = Simulator(prof, pol, StreamSpec(300, question_every=30, seed=0), ("native",))
+        after_reply = []
+        for e in sim.stream.events():
+            sim.step(e)
+            if e.kind == "reply":
+                newest = [u for u in sim.history if u.kind is UnitKind.MEDIA][-2:]
+                after_reply.append(sum(not u.trimmed for u in newest))
+        whole[rule] = after_reply
+    assert min(whole["media"]) == 2
+    assert min(whole["all"]) < 2
+    with pytest.raises(RetentionError, match="recent_count"):
+        make_policy("omnipick", recent_count="text")

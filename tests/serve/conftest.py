@@ -96,3 +96,17 @@ def clip_units(media_dir):
         pcm = (c.audio * 32767).clip(-32768, 32767).astype("<i2")
         out.append((jpg.tobytes(), pcm.tobytes(), small))
     return out
+
+
+@pytest.fixture
+def make_server():
+    """Start another server (its own model or flags); stopped after the test."""
+    started = []
+
+    def make(*args: str) -> Server:
+        started.append(Server(list(args)))
+        return started[-1]
+
+    yield make
+    for s in started:
+        s.stop()

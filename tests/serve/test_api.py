@@ -6,7 +6,6 @@ import io
 import json
 import time
 
-import httpx
 import numpy as np
 import pytest
 import soundfile as sf

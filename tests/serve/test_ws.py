@@ -250,3 +250,44 @@ def test_ephemeral_sessions_end_with_their_socket_and_origins_are_checked(server
     c = Client(server, sid, origin=server.url)  # the page's own origin
     c.close()
     http.delete(f"/v1/sessions/{sid}")
+
+
+def test_speak_on_a_model_without_a_talker_is_a_clear_error(server, http):
+    sid = new_session(http)
+    c = Client(server, sid)
+    c.send({"type": "ask", "id": "s1", "question": "Say hi.", "max_tokens": 3, "speak": True})
+    err = c.until(lambda m: m["type"] in ("error", "answer_end"))[-1]
+    assert err["type"] == "error" and err["code"] == "speech_unavailable" and err["id"] == "s1"
+    c.send({"type": "ask", "id": "s2", "question": "Say hi.", "speak": "yes"})
+    assert c.until(lambda m: m["type"] == "error")[-1]["code"] == "bad_request"
+    c.send({"type": "ask", "id": "t", "question": "Say hi.", "max_tokens": 2})  # the session still answers
+    assert c.until(lambda m: m["type"] == "answer_end")[-1]["tokens"] == 2
+    c.close()
+    http.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.slow
+def test_spoken_answers_stream_audio_chunks(tmp_path, make_server, data_dir):
+    import httpx
+
+    from omnitide_mlx.models.qwen2_5_omni.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny-speech", vocab="real", speech=True,
+                                tokenizer_dir=data_dir / "tokenizers/qwen2")
+    srv = make_server("--model", str(ckpt))
+    sid = httpx.post(f"{srv.url}/v1/sessions", json={}, timeout=60).json()["id"]
+    c = Client(srv, sid)
+    c.send({"type": "ask", "id": "v", "question": "Hello?", "max_tokens": 8, "speak": True})
+    msgs = c.until(lambda m: m["type"] in ("answer_end", "error"), timeout=240)
+    assert msgs[-1]["type"] == "answer_end", msgs[-1]
+    audio = [m for m in msgs if m["type"] == "audio"]
+    assert audio and audio[-1]["final"] and not any(a["final"] for a in audio[:-1])
+    assert [a["index"] for a in audio] == sorted(a["index"] for a in audio)
+    assert all(a["sample_rate"] == 24000 and a["id"] == "v" for a in audio)
+    pcm = np.concatenate([np.frombuffer(base64.b64decode(a["data"]), "<i2") for a in audio])
+    assert pcm.size > 0
+    # audio comes while the text streams, not only after it
+    kinds = [m["type"] for m in msgs]
+    assert kinds.index("audio") < max(i for i, k in enumerate(kinds) if k == "piece")
+    assert msgs[-1]["text"] == "".join(m["text"] for m in msgs if m["type"] == "piece")
+    c.close()

@@ -46,4 +46,5 @@ def load_model(path: Path, config: dict, *, dtype=None, **kwargs):
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     model.eval()
+    model.checkpoint_path = path  # the talker, token2wav and voices load from here on the first spoken reply
     return model, Processor.from_pretrained(path, **kwargs)

@@ -1,0 +1,271 @@
+"""Spoken replies on MLX: the talker runs in lockstep with the thinker, token2wav turns the codec stream into audio
+chunk by chunk, so the first audio comes while the text is still streaming.
+
+``OmniSession.ask(question, speak=True, speaker="Ethan")`` returns an iterator of text pieces (``str``) and
+:class:`AudioChunk` objects. How one reply is spoken:
+
+1. The engine calls ``on_forward`` for the question unit and for every reply token it feeds back, with the
+   thinker's final-norm hidden states of those tokens (captured in the same forward that streams the text; no
+   second pass). The talker's prompt is the question unit (``<|im_start|>user ... <|im_start|>assistant\\n``) at
+   positions 0.. (the thinker's hidden states carry the rest of the history; feeding the whole history through the
+   talker would cost a talker prefill of all of it per answer); then codec step k reads reply token k.
+2. Between text pieces the talker makes one code per new text token; after the text it reads the text-eos and
+   text-pad embeddings until it emits a stop code (or ``max_codes``).
+3. Codes are decoded in chunks of DiT attention blocks (:class:`ChunkedToken2Wav`): each chunk's mel comes from a
+   window reaching ``left_blocks`` blocks back and one block ahead (the DiT's look-ahead), and the noise of every
+   frame is fixed for the reply, so a chunk's window differs from the whole-reply decode only through the ODE
+   steps' reach beyond the window. The vocoder runs on the chunk's mel plus a margin and keeps the chunk's samples.
+4. The talker's KV cache belongs to the reply and is dropped when the iterator ends.
+
+A reply whose text is blank (no token, or a stop string cut it all) has nothing to speak: the last item is then an
+empty final chunk with a ``note``. The talker starts at the first non-blank text piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from .models.qwen2_5_omni.speech import Speech, SpeechUnavailable, load_speech
+from .models.qwen2_5_omni.talker import CodecSampling
+
+__all__ = ["AudioChunk", "ChunkedToken2Wav", "SpeechOptions", "SpeechUnavailable", "speech_for", "spoken_reply"]
+
+
+@dataclass
+class AudioChunk:
+    """A piece of a spoken reply: float32 PCM in [-1, 1] (mono) at ``sample_rate``. ``final`` marks the last chunk
+    of the reply (its ``pcm`` may be empty); ``note`` says why a reply was not spoken."""
+
+    pcm: np.ndarray
+    sample_rate: int
+    index: int = 0
+    final: bool = False
+    note: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.pcm.shape[0] / self.sample_rate
+
+    def int16(self) -> np.ndarray:
+        return (np.clip(self.pcm, -1.0, 1.0) * 32767).astype(np.int16)
+
+
+@dataclass
+class SpeechOptions:
+    """How a reply is spoken. Chunk sizes are in DiT attention blocks (``block_size`` mel frames: 12 codes,
+    240 ms of audio in the released model): a small first chunk for latency, larger ones after."""
+
+    speaker: str | None = None
+    sampling: CodecSampling = field(default_factory=CodecSampling)
+    max_codes: int = 4096
+    max_codes_per_token: int = 30  # a cap after the text ends too (50 codes/s; speech runs ~10 codes per token)
+    first_chunk_blocks: int = 1
+    chunk_blocks: int = 4
+    left_blocks: int = 2
+    num_steps: int = 10
+    guidance_scale: float = 0.5
+    sway_coefficient: float = -1.0
+    seed: int | None = None
+
+
+class ChunkedToken2Wav:
+    """token2wav over a growing code stream: ``add(codes)`` then ``ready(final)`` returns the waveform of every
+    chunk that can be decoded now. The waveform has exactly ``len(codes) * samples_per_code`` samples in all."""
+
+    VOCODER_MARGIN = 8  # mel frames of context on each side of a chunk for the vocoder's receptive field
+
+    def __init__(self, speech: Speech, options: SpeechOptions):
+        self.speech, self.o = speech, options
+        t2w = speech.token2wav
+        self.dit_cfg = t2w.dit.config
+        self.codes_per_block = max(1, self.dit_cfg.block_size // self.dit_cfg.repeats)
+        voice = speech.voice(options.speaker)
+        self.cond, self.ref = mx.array(voice.cond)[None], mx.array(voice.ref_mel)[None]
+        self.codes: list[int] = []
+        self.emitted = 0  # codes whose audio has been returned
+        self._noise = mx.zeros((1, 0, self.dit_cfg.mel_dim))
+        self._key = mx.random.key(options.seed if options.seed is not None else int(np.random.randint(2 ** 31)))
+
+    def add(self, codes) -> None:
+        self.codes.extend(int(c) for c in codes)
+
+    def _noise_for(self, frames: int) -> mx.array:
+        """The reply's initial noise, frame by frame (drawn in blocks as the reply grows, never redrawn)."""
+        while self._noise.shape[1] < frames:
+            self._key, sub = mx.random.split(self._key)
+            block = mx.random.normal((1, 64, self.dit_cfg.mel_dim), key=sub)
+            self._noise = mx.concatenate([self._noise, block], axis=1)
+        return self._noise
+
+    def _decode(self, start: int, end: int, final: bool) -> np.ndarray:
+        cpb, rep = self.codes_per_block, self.dit_cfg.repeats
+        ws = max(0, (start // cpb - self.o.left_blocks) * cpb)
+        we = len(self.codes) if final else min(len(self.codes), end + cpb)
+        codes = mx.array(np.asarray(self.codes[ws:we], dtype=np.int32))[None]
+        noise = self._noise_for(we * rep)[:, ws * rep:we * rep]
+        mel = self.speech.token2wav.dit.sample(codes, self.cond, self.ref, noise, num_steps=self.o.num_steps,
+                                               guidance_scale=self.o.guidance_scale,
+                                               sway_coefficient=self.o.sway_coefficient)
+        a, b = (start - ws) * rep, (end - ws) * rep  # the chunk's frames inside the window
+        va, vb = max(0, a - self.VOCODER_MARGIN), min(mel.shape[1], b + self.VOCODER_MARGIN)
+        wav = self.speech.token2wav.vocoder(mel[:, va:vb])
+        mx.eval(wav)
+        hop = self.speech.token2wav.vocoder.config.hop
+        return np.array(wav[0, (a - va) * hop:(b - va) * hop])
+
+    def ready(self, final: bool = False) -> list[np.ndarray]:
+        out = []
+        cpb = self.codes_per_block
+        while self.emitted < len(self.codes):
+            size = (self.o.first_chunk_blocks if self.emitted == 0 else self.o.chunk_blocks) * cpb
+            end = min(len(self.codes), self.emitted + size)
+            if not final and (end - self.emitted < size or len(self.codes) < end + cpb):
+                break  # wait for a full chunk and its look-ahead block
+            out.append(self._decode(self.emitted, end, final and end == len(self.codes)))
+            self.emitted = end
+        return out
+
+
+def speech_for(session) -> Speech:
+    """The session's talker + token2wav + voices, loaded on first use from the model's checkpoint folder."""
+    speech = getattr(session, "_speech", None)
+    if speech is None:
+        path = getattr(session.model, "checkpoint_path", None)
+        if path is None or not hasattr(session.model, "language_model"):
+            raise SpeechUnavailable(f"{type(session.model).__name__} has no talker: this model answers in text only")
+        speech = load_speech(path)
+        session._speech = speech
+    return speech
+
+
+def spoken_reply(session, ask, question: str, speech: Speech, options: SpeechOptions,
+                 **ask_kwargs) -> Iterator[str | AudioChunk]:
+    """Text pieces and audio chunks of one reply. ``ask(question, on_forward=..., **ask_kwargs)`` is the engine's
+    text ask; ``speech`` and the speaker were checked by the caller before anything ran."""
+    thinker = session.model
+    tracks: list[mx.array] = []
+    prompt: dict = {}
+    lm = thinker.language_model
+
+    def on_forward(ids, embeds, hidden):
+        if hidden is None:
+            raise RuntimeError("the session backend did not capture hidden states")
+        if not prompt:
+            prompt.update(ids=np.asarray(ids), embeds=embeds, hidden=hidden)
+        else:
+            tracks.append(hidden[0] + embeds.reshape(-1, embeds.shape[-1])[0].astype(hidden.dtype))
+
+    decoder = ChunkedToken2Wav(speech, options)
+    sr = speech.sample_rate
+    state = {"stream": None, "fed": 0, "chunks": 0, "said": ""}
+
+    def pump(final: bool) -> list[AudioChunk]:
+        """Run the talker over the tracks that arrived (once the reply has shown some non-blank text), then decode
+        what is ready."""
+        stream = state["stream"]
+        if stream is None and tracks and state["said"].strip():
+            n = prompt["ids"].shape[0]
+            positions = np.broadcast_to(np.arange(n), (3, n))
+            stream = speech.talker_stream(thinker, prompt["ids"], prompt["hidden"], prompt["embeds"], positions,
+                                          options.speaker, options.sampling, options.max_codes)
+            state["stream"] = stream
+            code = stream.start(tracks[0])
+            state["fed"] = 1
+            if code is not None:
+                decoder.add([code])
+        if stream is not None:
+            if final:  # the text is complete: bound the speech by its length
+                stream.max_codes = min(stream.max_codes, options.max_codes_per_token * len(tracks) + 50)
+                stream.done = stream.done or len(stream.codes) >= stream.max_codes
+            while not stream.done and (state["fed"] < len(tracks) or final):
+                vec = tracks[state["fed"]] if state["fed"] < len(tracks) else None
+                state["fed"] += 1
+                code = stream.step(vec)
+                if code is not None:
+                    decoder.add([code])
+        out = []
+        done = final or (stream is not None and stream.done)
+        for pcm in decoder.ready(final=done):
+            out.append(AudioChunk(pcm.astype(np.float32), sr, state["chunks"]))
+            state["chunks"] += 1
+        return out
+
+    try:
+        for piece in ask(question, on_forward=on_forward, **ask_kwargs):
+            state["said"] += piece
+            yield piece
+            yield from pump(final=False)
+        chunks = pump(final=True)
+        if state["stream"] is None:
+            yield AudioChunk(np.zeros(0, np.float32), sr, state["chunks"], final=True,
+                             note="the reply has no text to speak: text only")
+            return
+        if chunks:
+            chunks[-1].final = True
+            yield from chunks
+        else:
+            note = "" if decoder.codes else "the talker ended the reply without speech"
+            yield AudioChunk(np.zeros(0, np.float32), sr, state["chunks"], final=True, note=note)
+    finally:
+        state["stream"] = None  # the talker's KV cache goes with the reply
+        session._hidden = None
+
+
+# --- output: wav files and playback ------------------------------------------------------------------------------
+
+class WavWriter:
+    """A 16-bit mono wav written chunk by chunk (stdlib ``wave``: no dependency); the header is final at close."""
+
+    def __init__(self, path, sample_rate: int):
+        import wave
+
+        self.path = path
+        self.sample_rate = sample_rate
+        self.samples = 0
+        self._w = wave.open(str(path), "wb")
+        self._w.setnchannels(1)
+        self._w.setsampwidth(2)
+        self._w.setframerate(sample_rate)
+
+    def write(self, chunk: AudioChunk) -> None:
+        if chunk.pcm.size:
+            self._w.writeframes(chunk.int16().tobytes())
+            self.samples += chunk.pcm.shape[0]
+
+    def close(self) -> None:
+        self._w.close()
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.sample_rate
+
+
+class Player:
+    """Plays audio chunks as they come through ``sounddevice`` (the ``speech`` extra); ``Player.open()`` returns
+    None where it is not installed or there is no output device (headless: the wav files are the output)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    @classmethod
+    def open(cls, sample_rate: int) -> "Player | None":
+        try:
+            import sounddevice as sd
+
+            stream = sd.OutputStream(samplerate=sample_rate, channels=1, dtype="float32")
+            stream.start()
+        except Exception:  # not installed, no PortAudio, no device
+            return None
+        return cls(stream)
+
+    def play(self, chunk: AudioChunk) -> None:
+        if chunk.pcm.size:
+            self._stream.write(chunk.pcm.reshape(-1, 1))
+
+    def close(self) -> None:
+        self._stream.stop()
+        self._stream.close()
