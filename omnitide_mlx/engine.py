@@ -612,6 +612,7 @@ class StreamingSession:
             "model": {"family": model_family(self.model), "num_layers": spec.num_layers, "kv_heads": spec.kv_heads,
                       "head_dim": spec.head_dim, "position_axes": spec.position_axes},
             "system_prompt": self.system_prompt,
+            "media": self.media.to_json() if self.media is not None else None,
             "policy": self.policy.config(),
             "kv_budget": self.kv_budget,
             "kv_dtype": str(self.kv_dtype).split(".")[-1],
@@ -670,8 +671,18 @@ class StreamingSession:
         elif isinstance(model, tuple):
             model, processor = model
         self.model, self.processor = model, processor
-        self.adapter = model.stream_adapter(processor)
+        try:  # the media setting the session streamed at (format-2 files before it was recorded: the default)
+            media = meta.get("media")
+            self.media = None if not media else MediaSetting(
+                frame_size=tuple(media["frame_size"]) if media.get("frame_size") else None,
+                max_pixels=media.get("max_pixels"), max_slice_nums=media.get("max_slice_nums"),
+                audio_seconds=float(media.get("audio_seconds", 1.0)), name=str(media.get("name", "default")))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"{file} records a malformed media setting: {type(e).__name__}: {e}") from e
+        self.adapter = (model.stream_adapter(processor) if self.media is None
+                        else model.stream_adapter(processor, media=self.media))
         _check_model(file, meta.get("model"), model, self.adapter.kv_spec)
+        self.profile = profile_for_spec(self.adapter.kv_spec)
         try:
             self.kv_dtype = self._dtype_from_name(meta["kv_dtype"])
             cfg = dict(meta["policy"])
@@ -683,6 +694,7 @@ class StreamingSession:
             raise RestoreError(f"{file} is malformed: {type(e).__name__}: {e}") from e
         self.system_prompt = meta.get("system_prompt")
         self.on_update = on_update
+        self.warnings = []
         kv_file = path / "kv.safetensors"
         if not kv_file.is_file():
             raise RestoreError(f"{kv_file} is missing: the saved session has no KV cache")

@@ -125,3 +125,20 @@ def test_save_is_atomic_and_replaces_an_older_save_whole(models, saved, chunks, 
     with pytest.raises(SessionError, match="not a saved session"):
         s2.save(tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_restored_session_keeps_its_media_setting_and_reports_stats(models, chunks, tmp_path):
+    """Before: restore built the adapter at the default setting and set no profile, so stats() raised
+    AttributeError on any restored session and a session streamed at another frame size came back at the default."""
+    from omnitide_mlx.core.stream_units import MediaSetting
+
+    media = MediaSetting(frame_size=(224, 224), name="small")
+    s = OmniSession(models["qwen"], policy="omnitide", high=600, low=400, media=media)
+    s.push(frame=chunks[0][0], audio=chunks[0][1], t=0)
+    r = OmniSession.restore(s.save(tmp_path / "sess"), model=models["qwen"])
+    assert r.media == media
+    assert r.stats()["tokens_per_unit"] == s.stats()["tokens_per_unit"]
+    assert r.stats()["retained_cells"] == s.stats()["retained_cells"]
+    r.push(frame=chunks[1][0], audio=chunks[1][1], t=1)
+    s.push(frame=chunks[1][0], audio=chunks[1][1], t=1)
+    assert r.stats()["retained_cells"] == s.stats()["retained_cells"]
