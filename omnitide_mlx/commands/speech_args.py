@@ -38,14 +38,14 @@ class SpokenAnswers:
     text pieces (printed by the command) and a wav file."""
 
     def __init__(self, session, args, prog: str):
-        from ..speech import SpeechOptions, SpeechUnavailable, speech_for
-
         self.session, self.prog = session, prog
         self.enabled = False
         self.count = 0
         self.files: list[dict] = []
         if not args.speak:
-            return
+            return  # before importing the speech module: it needs MLX, which the torch path never imports
+        from ..speech import SpeechOptions, SpeechUnavailable, speech_for
+
         try:
             speech = speech_for(session)
         except SpeechUnavailable as e:

@@ -93,4 +93,4 @@ def test_cli_stream_and_bench_with_the_torch_backend(tiny_qwen, media_dir, tmp_p
     assert res["backend"] == "torch" and {r["layout"] for r in res["rows"]} == {"full", "native", "ordered_suffix",
                                                                               "class_aware", "eager"}
     assert main(["stream", "--model", str(tiny_qwen), "--device", "cpu", "--video",
-                 str(media_dir / "video_10s_av.mp4"), "--seconds", "1", "--quiet"]) == 1  # --device needs torch
+                 str(media_dir / "video_10s_av.mp4"), "--seconds", "1", "--quiet"]) == 2  # --device needs torch: a usage error before loading
