@@ -208,7 +208,7 @@ def spoken_reply(session, ask, question: str, speech: Speech, options: SpeechOpt
             chunks[-1].final = True
             yield from chunks
         else:
-            note = "" if decoder.codes else "the talker ended the reply without speech"
+            note = "" if decoder.codes else "no speech: the talker ended the reply before its first codec token"
             yield AudioChunk(np.zeros(0, np.float32), sr, state["chunks"], final=True, note=note)
     finally:
         state["stream"] = None  # the talker's KV cache goes with the reply

@@ -93,3 +93,19 @@ def test_reply_without_text_has_a_text_only_note(session):
     text, audio = _split(items)
     assert "".join(text) == ""
     assert len(audio) == 1 and audio[0].final and audio[0].pcm.size == 0 and "text only" in audio[0].note
+
+
+def test_talker_that_ends_before_any_code_leaves_a_no_speech_note(session, monkeypatch):
+    """Reproduces a CI failure: a sampled talker that stops before its first codec token gave a note the CLI did
+    not count as a spoken-answer outcome; the note now says "no speech" as the CLI's own fallback does."""
+    from omnitide_mlx.models.qwen2_5_omni import talker
+
+    from omnitide_mlx.speech import speech_for
+
+    stop = min(speech_for(session).talker.config.stop_codes)
+    monkeypatch.setattr(talker, "choose_code", lambda *a, **k: stop)
+    items = list(session.ask("Hi", speak=True, max_tokens=4, speech=GREEDY))
+    text, audio = _split(items)
+    assert "".join(text)
+    assert len(audio) == 1 and audio[0].final and audio[0].pcm.size == 0
+    assert audio[0].note.startswith("no speech")
