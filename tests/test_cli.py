@@ -334,3 +334,16 @@ def test_convert_takes_mlx_lms_hf_path_and_shows_each_stage(tiny_checkpoints, tm
     assert r.returncode == 0, r.stderr
     assert "loading" in r.stderr and "quantising and writing 4-bit (group 64) weights" in r.stderr
     assert r.stderr.count(" done in ") == 2 and "wrote 4-bit (group 64) MLX model" in r.stdout
+
+
+def test_simulate_leftover_option(tmp_path, capsys):
+    """``--leftover`` reaches OmniPick (recorded in the JSON); a bad kind or a non-OmniPick policy is a usage error."""
+    out = tmp_path / "sim.json"
+    rc, _, err = _main(capsys, "simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "90", "--leftover",
+                       "audio+text", "--json", out, "--no-progress")
+    assert rc == 0, err
+    assert json.loads(out.read_text())["policy_config"]["leftover"] == "audio+text"
+    rc, _, err = _main(capsys, "simulate", "--seconds", "5", "--leftover", "video")
+    assert rc == 2 and "leftover must name" in err
+    rc, _, err = _main(capsys, "simulate", "--seconds", "5", "--policy", "fifo", "--leftover", "audio")
+    assert rc == 2 and "leftover" in err
