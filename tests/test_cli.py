@@ -357,3 +357,16 @@ def test_a_kv_budget_too_small_for_one_unit_fails_before_the_model_loads(tiny_ch
     assert "loading" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = omnitide(*base, "--kv-budget", max(fits, 192) * need.bytes_per_token)  # the figure it asked for streams
     assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_simulate_leftover_option(tmp_path, capsys):
+    """``--leftover`` reaches OmniPick (recorded in the JSON); a bad kind or a non-OmniPick policy is a usage error."""
+    out = tmp_path / "sim.json"
+    rc, _, err = _main(capsys, "simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "90", "--leftover",
+                       "audio+text", "--json", out, "--no-progress")
+    assert rc == 0, err
+    assert json.loads(out.read_text())["policy_config"]["leftover"] == "audio+text"
+    rc, _, err = _main(capsys, "simulate", "--seconds", "5", "--leftover", "video")
+    assert rc == 2 and "leftover must name" in err
+    rc, _, err = _main(capsys, "simulate", "--seconds", "5", "--policy", "fifo", "--leftover", "audio")
+    assert rc == 2 and "leftover" in err
