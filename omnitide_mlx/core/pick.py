@@ -32,13 +32,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .errors import OmniTideError
 from .units import History, Span, SpanKind, Unit, UnitError, UnitKind
 
 LAYOUTS = ("native", "omnipage", "eager")
 POSITION_MODES = ("shift", "keep")  # close the gaps (one re-rotation per kept key) or keep the old positions
 
 
-class RetentionError(ValueError):
+class RetentionError(OmniTideError, ValueError):
     """A malformed retention plan or policy configuration (e.g. one that would delete the system prefix)."""
 
 

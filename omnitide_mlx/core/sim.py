@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .errors import OmniTideError
 from .page import AllocClass, LayoutStats, MigrationPlanner, PageTable
 from .pick import RetentionPolicy, apply_plan, make_policy
 from .profiles import ModelProfile, StreamSpec, build_unit, get_profile
@@ -34,7 +35,7 @@ LAYOUT_NAMES = ("native", "omnipage", "eager")
 MIGRATION_FOR_OMNIPAGE = ("class_aware", "ordered_suffix")
 
 
-class SimError(ValueError):
+class SimError(OmniTideError, ValueError):
     """A bad simulator request (unknown layout, impossible checkpoint, ...)."""
 
 

@@ -29,6 +29,8 @@ from importlib import resources
 import mlx.core as mx
 import numpy as np
 
+from ..errors import OmniTideError
+
 PREFILL_TILE = 64  # OmniPage page = llama.cpp Metal flash-attention KV tile
 DECODE_TILE = 32  # OmniPage subblock = llama.cpp Metal vector-kernel KV block
 _NO_SEQ = np.iinfo(np.int32).max  # key_seq of a free slot: visible to no query
@@ -40,7 +42,7 @@ CHUNK_MAX_ROWS = 16  # query rows up to which runs are cut into RUN_CHUNK pieces
 METAL_EMPTY = -1.0e30  # the kernel's log-sum-exp of an empty partial (finite: Metal runs with fast math)
 
 
-class AttentionError(ValueError):
+class AttentionError(OmniTideError, ValueError):
     """Arguments that break the tile_skip_attention contract."""
 
 

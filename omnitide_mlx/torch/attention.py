@@ -34,11 +34,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import OmniTideError
+
 KERNELS = ("flex", "sdpa", "reference")
 FLEX_Q_BLOCK = 128  # query rows per FlexAttention block (its default sparse block size)
 
 
-class AttentionError(ValueError):
+class AttentionError(OmniTideError, ValueError):
     """Inputs that break the attention contract (shapes, a step with no visible key, an unknown kernel)."""
 
 
