@@ -62,9 +62,10 @@ class ModelShape:
 
 
 # for the CI smoke test only: a small Qwen3-style model with MiniCPM-style units (seconds, not minutes); its units
-# are made up (a 32-token source image, 2 slices of 16, 4 audio tokens), so they are written here
+# are made up (a 32-token source image, 2 slices of 16, 4 audio tokens), so they are written here. head_dim 32: the
+# smallest MLX quantisation group (--kv-bits needs head_dim divisible by --kv-group-size 32, 64 or 128)
 TINY_PROFILE = ModelProfile(
-    name="tiny", display="tiny (CI)", family="minicpmo", rope_axes=1, layers=2, kv_heads=2, head_dim=16, q_heads=4,
+    name="tiny", display="tiny (CI)", family="minicpmo", rope_axes=1, layers=2, kv_heads=2, head_dim=32, q_heads=4,
     hidden=64, intermediate=128, vocab=256, rope_theta=1e4, system_tokens=8, high=200, low=140,
     pick={"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2, "text_budget": 32},
     units=StreamUnits.sequential("minicpmo", MediaSetting(name="tiny"), [

@@ -11,6 +11,13 @@ of them: bench/shape_models.py), and ten variants of the engine driving it:
   and ``mx.fast.scaled_dot_product_attention``, prefilling in steps of 2048 tokens as mlx-lm's ``generate_step``
   does.
 
+With ``--kv-bits 8|4`` (and ``--kv-group-size``, mlx-lm's names) the same run adds quantised twins, side by side
+with the float ones: the engine under each policy of ``--kv-policies`` (default ``full,omnitide``; rows
+``full_kv4``, ``omnitide_kv4``, ...) over an OmniCache holding packed K/V with scales and biases (deferred
+re-rotation, attention through ``quantized_matmul``: kernels/quantized.py), and mlx-lm's ``QuantizedKVCache``
+(``mlx_quantized``: unbounded, quantised, mlx-lm's ``quantized_scaled_dot_product_attention``). A quantised twin
+keeps exactly the cells its float policy keeps (same retention), so its rows differ in bytes and time only.
+
 Three measurements:
 
 1. **Updates at no-slide checkpoints** (paper figure 10). For each checkpoint (the no-slide history reaching 4K ..
@@ -62,6 +69,8 @@ from ..core.profiles import StreamSpec
 from ..core.sim import Simulator
 from ..core.units import History
 from ..engine import SessionCounters
+from ..kernels.quantized import quantize_rows
+from ..models.attention import cached_attention
 from ..session import OmniSession, keep_cpu_buffers
 from .common import Timing, load_average, versions
 from .report import write_outputs
@@ -76,6 +85,9 @@ example:
 ENGINE_POLICIES = ("full", "fifo", "token", "streamingllm", "h2o", "omnipick", "omnitide", "eager")
 MLX_LM_VARIANTS = ("mlx_kvcache", "mlx_rotating")
 VARIANTS = ENGINE_POLICIES + MLX_LM_VARIANTS
+MLX_LM_QUANT = "mlx_quantized"  # mlx-lm's QuantizedKVCache (unbounded, quantised): with --kv-bits
+KV_POLICIES = ("full", "omnitide")  # the engine policies that get a quantised twin under --kv-bits by default
+UNBOUNDED = ("full", "mlx_kvcache", MLX_LM_QUANT)  # variants whose cache holds the whole stream
 LAYOUT_TRIO = ("omnipick", "omnitide", "eager")  # identical retention, native / OmniPage / eager layouts
 MLX_LM_PREFILL_STEP = 2048  # mlx_lm.generate.generate_step's prefill_step_size
 MLX_LM_KEEP = 4  # mlx_lm.models.cache.make_prompt_cache: RotatingKVCache(max_size, keep=4)
@@ -104,6 +116,29 @@ _SECOND = np.zeros(16000, dtype=np.float32)
 
 def _now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
+
+
+def quant_name(policy: str, bits: int) -> str:
+    """The row name of an engine policy over a ``bits``-bit OmniCache: ``omnitide_kv4``."""
+    return f"{policy}_kv{bits}"
+
+
+def split_variant(name: str) -> tuple[str, int | None]:
+    """(retention, kv bits) of a variant name: ``omnitide_kv4`` -> ("omnitide", 4), ``omnitide`` -> (.., None);
+    ``mlx_quantized`` is its own retention (its bits are the run's)."""
+    base, sep, bits = name.rpartition("_kv")
+    if sep and base in ENGINE_POLICIES and bits in ("4", "8"):
+        return base, int(bits)
+    return name, None
+
+
+def real_kv_bytes_per_token(prof, bits: int | None, group_size: int) -> int:
+    """K and V bytes of one token of the real model (all layers, the paper's fp16 KV); quantised: packed values
+    plus fp16 scales and biases per group of ``group_size``."""
+    if not bits:
+        return prof.kv_bytes_per_token
+    row = prof.head_dim * bits // 8 + 2 * (prof.head_dim // group_size) * prof.kv_dtype_bytes
+    return 2 * prof.layers * prof.kv_heads * row
 
 
 # --- the engine, with optional attention profiling ------------------------------------------------------------
@@ -145,7 +180,7 @@ class BenchSession(OmniSession):
     maintenance: the peak span counts it) and, per forward step, its tokens and the keys its queries visit (for the
     session's FLOP count); optionally over a ProfiledOmniCache."""
 
-    def __init__(self, model, *, profiled: bool = False, **kw):
+    def __init__(self, model, *, profiled: bool = False, **kw):  # kw: OmniSession's (kv_bits, kv_group_size, ...)
         self.profiled = profiled
         self.prefill_span = 0
         self.peak_span = 0
@@ -165,7 +200,7 @@ class BenchSession(OmniSession):
         keep_cpu_buffers()  # as OmniSession._make_cache does
         cls = ProfiledOmniCache if self.profiled else OmniCache
         return cls.for_spec(spec, dtype=self.kv_dtype, page_size=page_size, subblock_size=subblock_size,
-                            placement=placement, collect_scores=collect_scores)
+                            placement=placement, collect_scores=collect_scores, **self.kv_quant)
 
     def _prefill(self, prepared, alloc_class=AllocClass.RECENT_CONTEXT):
         uid = super()._prefill(prepared, alloc_class)
@@ -196,15 +231,22 @@ class Probe:
 
 
 class EngineVariant:
-    """The engine under one retention policy / layout."""
+    """The engine under one retention policy / layout; ``kv_bits``: over a quantised OmniCache (``omnitide_kv4``)."""
 
     kind = "engine"
 
-    def __init__(self, name: str, model: ShapeTrueModel, profiled: bool = False):
+    def __init__(self, name: str, model: ShapeTrueModel, profiled: bool = False, kv_bits: int | None = None,
+                 kv_group_size: int = 64):
         self.name = name
         self.model = model
-        self.policy = make_policy(name, profile=model.profile)
-        self.session = BenchSession(model, policy=self.policy, profiled=profiled)  # system prompt prefilled here
+        self.retention, bits = split_variant(name)
+        if bits is not None and kv_bits is not None and bits != kv_bits:
+            raise ValueError(f"variant {name} is {bits}-bit, kv_bits={kv_bits}")
+        self.kv_bits = bits if bits is not None else kv_bits
+        self.kv_group_size = kv_group_size if self.kv_bits else None
+        self.policy = make_policy(self.retention, profile=model.profile)
+        quant = {"kv_bits": self.kv_bits, "kv_group_size": kv_group_size} if self.kv_bits else {}
+        self.session = BenchSession(model, policy=self.policy, profiled=profiled, **quant)  # system prompt prefilled
         self.spec = self.session.adapter.kv_spec
         self._state = None
 
@@ -244,8 +286,15 @@ class EngineVariant:
         arrays = {}
         for i in range(self.spec.num_layers):
             for part in ("keys", "values"):
-                arrays[f"layers.{i}.{part}"] = mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(
-                    cache.dtype)
+                x = mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(cache.dtype)
+                if cache.kv_bits:  # packed rows, scales and biases, as the cache saves them
+                    packed = quantize_rows(x, cache.kv_group_size, cache.kv_bits)
+                    for suffix, a in zip(cache.QUANT_PARTS, packed):
+                        arrays[f"layers.{i}.{part}{suffix}"] = a
+                else:
+                    arrays[f"layers.{i}.{part}"] = x
+        if cache.kv_bits and cache.kv_rerotate == "deferred":
+            arrays["key_shifts"] = mx.zeros((cap,), mx.int32)  # no eviction pending in the installed state
         ts = table.state()
         for name in ("slots", "seq", "unit", "cls"):
             arrays[f"table.{name}"] = mx.array(np.asarray(ts[name], dtype=np.int32))
@@ -291,24 +340,41 @@ class EngineVariant:
         return Probe((t1 - t0) * 1000, (c1 - c0) * 1000, active, visited)
 
 
+def _stored(c) -> int:
+    """Slots an mlx-lm cache's buffers hold (QuantizedKVCache keeps (packed, scales, biases) tuples)."""
+    if c.keys is None:
+        return 0
+    k = c.keys[0] if isinstance(c.keys, (tuple, list)) else c.keys
+    return int(k.shape[2])
+
+
 class MlxLmVariant:
-    """The same model and units through mlx-lm's ``KVCache`` or ``RotatingKVCache`` (no retention of ours)."""
+    """The same model and units through mlx-lm's ``KVCache``, ``RotatingKVCache`` or ``QuantizedKVCache`` (no
+    retention of ours)."""
 
     kind = "mlx_lm"
 
-    def __init__(self, name: str, model: ShapeTrueModel, max_size: int):
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
+    def __init__(self, name: str, model: ShapeTrueModel, max_size: int, kv_bits: int | None = None,
+                 kv_group_size: int = 64):
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
         self.name = name
+        self.retention = name
         self.model = model
         self.lm = model.language_model
         self.adapter = model.stream_adapter()
         self.spec = self.adapter.kv_spec
         self.max_size = max_size
+        self.kv_bits = self.kv_group_size = None
         if name == "mlx_kvcache":
             self.make = KVCache
         elif name == "mlx_rotating":
             self.make = lambda: RotatingKVCache(max_size=max_size, keep=MLX_LM_KEEP)
+        elif name == MLX_LM_QUANT:
+            if kv_bits is None:
+                raise ValueError(f"{name} needs kv_bits")
+            self.kv_bits, self.kv_group_size = int(kv_bits), int(kv_group_size)
+            self.make = lambda: QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
         else:
             raise ValueError(name)
         self.caches = [self.make() for _ in range(self.spec.num_layers)]
@@ -344,7 +410,7 @@ class MlxLmVariant:
     def _keys_seen(self) -> int:
         """Keys the last step's SDPA scored for each query (mlx-lm's CPU fallback scores all of them)."""
         c = self.caches[0]
-        return int(min(c.offset, c.keys.shape[2]))
+        return int(min(c.offset, _stored(c)))
 
     def _prefill(self, prepared) -> mx.array:
         t0 = time.perf_counter()
@@ -352,7 +418,7 @@ class MlxLmVariant:
         self._counters.prefill_ms += (time.perf_counter() - t0) * 1000
         self._advance(prepared.positions)
         self._counters.units += 1
-        self.prefill_span = self.caches[0].keys.shape[2]
+        self.prefill_span = _stored(self.caches[0])
         self.peak_span = max(self.peak_span, self.prefill_span)
         return out
 
@@ -396,15 +462,14 @@ class MlxLmVariant:
 
     def layout(self) -> dict:
         c = self.caches[0]
-        stored = int(c.keys.shape[2]) if c.keys is not None else 0
-        held = min(stored, c.offset)  # RotatingKVCache holds up to max_size - 1 + the last chunk's tokens
+        held = min(_stored(c), c.offset)  # RotatingKVCache holds up to max_size - 1 + the last chunk's tokens
         return {"retained_cells": held, "physical_span": held, "active_pages": None,
                 "active_subblocks": None, "kv_bytes": self.kv_bytes, "peak_span": self.peak_span,
                 "prefill_span": self.prefill_span}
 
     @property
     def kv_bytes(self) -> int:
-        return sum(c.keys.nbytes + c.values.nbytes for c in self.caches if c.keys is not None)
+        return sum(c.nbytes for c in self.caches if c.keys is not None)  # packed + scales + biases if quantised
 
     def step_log(self) -> list:
         return self.steps
@@ -422,7 +487,7 @@ class MlxLmVariant:
             mx.eval(c.keys, c.values)
         self.next_position = next_position
         self._state = ([c.state for c in self.caches], next_position, full_tokens)
-        self.peak_span = int(self.caches[0].keys.shape[2])
+        self.peak_span = _stored(self.caches[0])
         self.restore()
 
     def restore(self) -> None:
@@ -430,14 +495,15 @@ class MlxLmVariant:
         for c, st in zip(self.caches, states):
             c.state = st
         self._counters = SessionCounters()
-        self.peak_span = int(states[0][0].shape[2])
+        self.peak_span = _stored(self.caches[0])
 
     def release(self) -> None:
         self._state = None
         self.caches = [self.make() for _ in range(self.spec.num_layers)]
 
     def probe_attention(self, chunk: int, qkv: tuple) -> Probe:
-        """Time each layer's ``update_and_fetch`` + SDPA for the next media unit's prefill steps."""
+        """Time each layer's ``update_and_fetch`` + SDPA (quantised: mlx-lm's quantised SDPA) for the next media
+        unit's prefill steps."""
         q_all, k_all, v_all = qkv
         scale = self.spec.head_dim ** -0.5
         wall = cpu = 0.0
@@ -449,21 +515,26 @@ class MlxLmVariant:
             mx.eval(q, k, v)
             for c in self.caches:
                 t0, c0 = _now()
-                kk, vv = c.update_and_fetch(k, v)
-                mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask="causal"))
+                mx.eval(cached_attention(q, k, v, c, scale, mask="causal"))  # update_and_fetch + (quantised) SDPA
                 t1, c1 = _now()
                 wall += t1 - t0
                 cpu += c1 - c0
-            active = int(kk.shape[2])
+            active = min(_stored(self.caches[-1]), self.caches[-1].offset)
             keys += (b - a) * active  # the CPU fallback scores every key for every query (masked, not skipped)
         return Probe(wall * 1000, cpu * 1000, active, keys)
 
 
-def make_variant(name: str, model: ShapeTrueModel, profiled: bool = False):
-    """A variant by name; ``profiled`` engine variants time their attention and migrations (sessions)."""
-    if name in MLX_LM_VARIANTS:
-        return MlxLmVariant(name, model, model.profile.high)
-    return EngineVariant(name, model, profiled=profiled)
+def make_variant(name: str, model: ShapeTrueModel, profiled: bool = False, kv_bits: int | None = None,
+                 kv_group_size: int = 64):
+    """A variant by name; ``profiled`` engine variants time their attention and migrations (sessions). Quantised
+    variants (``omnitide_kv4``, ``mlx_quantized``) take ``kv_group_size`` (and ``mlx_quantized`` ``kv_bits``)."""
+    if name in MLX_LM_VARIANTS or name == MLX_LM_QUANT:
+        return MlxLmVariant(name, model, model.profile.high, kv_bits=kv_bits if name == MLX_LM_QUANT else None,
+                            kv_group_size=kv_group_size)
+    base, bits = split_variant(name)
+    if base not in ENGINE_POLICIES:
+        raise ValueError(f"unknown variant {name!r}")
+    return EngineVariant(name, model, profiled=profiled, kv_bits=bits, kv_group_size=kv_group_size)
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------
@@ -515,9 +586,12 @@ def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[i
     prof = model.profile
     chunk = prof.media_unit_tokens
     rng = np.random.default_rng(seed)
-    states = {name: checkpoint_states(prof, name, checkpoints, stream)
-              for name in variants if name in ENGINE_POLICIES}
-    full_states = states.get("full") or checkpoint_states(prof, "full", checkpoints, stream)
+    by_retention = {}  # a quantised twin keeps what its float policy keeps: one simulation per retention
+    for var in variants.values():
+        if var.kind == "engine" and var.retention not in by_retention:
+            by_retention[var.retention] = checkpoint_states(prof, var.retention, checkpoints, stream)
+    states = {name: by_retention[var.retention] for name, var in variants.items() if var.kind == "engine"}
+    full_states = by_retention.get("full") or checkpoint_states(prof, "full", checkpoints, stream)
     s = model.shape
     qkv = tuple(mx.array(rng.standard_normal((1, h, chunk, s.head_dim), dtype=np.float32))
                 for h in (s.q_heads, s.kv_heads, s.kv_heads))
@@ -567,9 +641,10 @@ def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[i
             sm, pr = samples[name], probes[name]
             lay = sm[-1]["layout"]
             fstate = states[name][ci] if name in states else fs
+            var = variants[name]
             row = {
                 "kind": "update", "policy": name, "checkpoint": cp, "full_context_tokens": fs.full_context_tokens,
-                "chunk_tokens": chunk, "synthetic_kv": True,
+                "chunk_tokens": chunk, "synthetic_kv": True, **_quant_keys(var),
                 "retained_before": (fstate.history.total_tokens if name in states
                                     else variants[name].layout()["retained_cells"]),
                 "active_slots": pr[0].active_slots, "keys_visited": pr[0].keys_visited,
@@ -588,7 +663,8 @@ def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[i
                 "prefill_span": lay["prefill_span"],
                 "peak_span": max(fstate.peak_span if name in states else 0, lay["peak_span"]),
                 "kv_bytes": lay["kv_bytes"],
-                "kv_bytes_real_model": lay["retained_cells"] * prof.kv_bytes_per_token,
+                "kv_bytes_real_model": lay["retained_cells"] * real_kv_bytes_per_token(prof, var.kv_bits,
+                                                                                       var.kv_group_size or 64),
                 "peak_memory_bytes": int(statistics.median(x["peak"] for x in sm)),
             }
             rows.append(row)
@@ -599,6 +675,11 @@ def bench_checkpoints(model: ShapeTrueModel, variants: dict, checkpoints: list[i
         gc.collect()
     add_limits(rows, model.shape, model.real)
     return rows
+
+
+def _quant_keys(var) -> dict:
+    """A row's retention and KV quantisation (None, None for float K/V)."""
+    return {"retention": var.retention, "kv_bits": var.kv_bits, "kv_group_size": var.kv_group_size}
 
 
 def add_limits(rows: list[dict], bench: ModelShape, real: ModelShape) -> None:
@@ -713,7 +794,7 @@ def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log)
         keys = {"prefill": sum(k for t, k in steps if t > DECODE_MAX_TOKENS),
                 "decode": sum(k for t, k in steps if t <= DECODE_MAX_TOKENS)}
         rows.append({
-            "kind": "session", "policy": name, "synthetic_kv": False,
+            "kind": "session", "policy": name, "synthetic_kv": False, **_quant_keys(var),
             "session_s": round(session_s, 3), "session_cpu_s": round(cpu[name], 3),
             "prefill_s": round(c["prefill_ms"] / 1000, 3), "decode_s": round(c["decode_ms"] / 1000, 3),
             "maintenance_s": round(maint, 4), "maintenance_share": round(maint / session_s, 5),
@@ -725,7 +806,8 @@ def run_sessions(model: ShapeTrueModel, variants: dict, stream: StreamSpec, log)
             "migrated_cells": c["migrated_cells"], "full_context_tokens": ser[-1]["full_context_tokens"],
             **{k: lay[k] for k in ("retained_cells", "physical_span", "active_pages", "active_subblocks",
                                    "peak_span", "kv_bytes")},
-            "kv_bytes_real_model": lay["retained_cells"] * model.profile.kv_bytes_per_token,
+            "kv_bytes_real_model": lay["retained_cells"] * real_kv_bytes_per_token(model.profile, var.kv_bits,
+                                                                                   var.kv_group_size or 64),
             "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ser),
             "series": ser,
         })
@@ -804,7 +886,9 @@ def goals(result: dict) -> dict:
             entry.update(paper_speedup=round(a / b, 3), beats_paper=sp > a / b)
         out["session"] = entry
     out["maintenance"] = {name: {"share": r["maintenance_share"], "met": r["maintenance_share"] < MAINTENANCE_GOAL}
-                          for name, r in sess.items() if name in ENGINE_POLICIES}
+                          for name, r in sess.items() if split_variant(name)[0] in ENGINE_POLICIES}
+    if any(r.get("kv_bits") for r in rows):
+        out["kv_quant"] = kv_quant_comparison(rows)
     prof = {r["policy"]: r for r in rows if r["kind"] == "attention_session"}
     if set(LAYOUT_TRIO) <= set(prof):
         nat, omp, eag = (prof[n] for n in LAYOUT_TRIO)
@@ -852,6 +936,67 @@ def goals(result: dict) -> dict:
     return out
 
 
+def float_twin(name: str) -> str:
+    """The float variant a quantised one is measured against: ``omnitide_kv4`` -> ``omnitide``, mlx-lm's
+    ``QuantizedKVCache`` -> its ``KVCache`` (both unbounded)."""
+    return "mlx_kvcache" if name == MLX_LM_QUANT else split_variant(name)[0]
+
+
+def _ratio(a, b):
+    return round(a / b, 4) if a is not None and b else None
+
+
+def kv_quant_comparison(rows: list[dict]) -> dict:
+    """Each quantised variant against its float twin, measured side by side in the same run: per checkpoint the
+    update and attention medians, KV bytes (buffers as allocated, and the retained cells at the real model's
+    bytes per token) and their ratios (quantised / float); per session the session, prefill-attention and
+    decode-attention times and the KV bytes at the end."""
+    upd = {(r["checkpoint"], r["policy"]): r for r in rows if r["kind"] == "update"}
+    sess = {r["policy"]: r for r in rows if r["kind"] == "session"}
+    out = {"checkpoints": [], "sessions": []}
+    for (cp, name), q in sorted(upd.items()):
+        f = upd.get((cp, float_twin(name)))
+        if not q.get("kv_bits") or f is None:
+            continue
+        e = {"checkpoint": cp, "variant": name, "float": f["policy"], "same_retained_cells":
+             q["retained_cells"] == f["retained_cells"]}
+        for k in ("update_ms", "update_cpu_ms", "attention_ms", "attention_cpu_ms", "kv_bytes",
+                  "kv_bytes_real_model", "peak_memory_bytes"):
+            e[k] = [q[k], f[k]]
+            e[k + "_ratio"] = _ratio(q[k], f[k])
+        out["checkpoints"].append(e)
+    for name, q in sess.items():
+        f = sess.get(float_twin(name))
+        if not q.get("kv_bits") or f is None:
+            continue
+        e = {"variant": name, "float": f["policy"], "same_retained_cells": q["retained_cells"] == f["retained_cells"]}
+        for k in ("session_s", "session_cpu_s", "prefill_s", "decode_s", "prefill_attention_s", "decode_attention_s",
+                  "kv_bytes", "kv_bytes_real_model", "peak_memory_bytes"):
+            if k in q and k in f:
+                e[k] = [q[k], f[k]]
+                e[k + "_ratio"] = _ratio(q[k], f[k])
+        out["sessions"].append(e)
+    return out
+
+
+def kv_quant_info(model: ShapeTrueModel, policies, kv_bits: int | None, kv_group_size: int) -> dict | None:
+    """The run's KV quantisation: bits, group size, the quantised variants, and KV bytes per token (packed values
+    plus scales and biases) of the benchmark model (float32 scales, all its layers) and of the real model (fp16
+    scales, as the paper's fp16 KV), next to the float figures."""
+    if kv_bits is None:
+        return None
+    prof = model.profile
+    s = model.shape
+    row = s.head_dim * kv_bits // 8 + 2 * (s.head_dim // kv_group_size) * 4
+    return {"bits": kv_bits, "group_size": kv_group_size, "engine_rerotate": "deferred",
+            "variants": [n for n in policies if split_variant(n)[1] or n == MLX_LM_QUANT],
+            "mlx_lm_cache": f"QuantizedKVCache(group_size={kv_group_size}, bits={kv_bits})",
+            "bench_kv_bytes_per_token": 2 * s.layers * s.kv_heads * row,
+            "bench_kv_bytes_per_token_float": 2 * s.layers * s.kv_heads * s.head_dim * 4,
+            "real_kv_bytes_per_token": real_kv_bytes_per_token(prof, kv_bits, kv_group_size),
+            "real_kv_bytes_per_token_fp16": prof.kv_bytes_per_token}
+
+
 def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Least-squares slope and R^2 of y against x."""
     slope, icpt = np.polyfit(x, y, 1)
@@ -874,7 +1019,7 @@ def memory_check(rows: list[dict]) -> dict:
         # the first update after which the cache holds less than the whole stream (mlx-lm's RotatingKVCache trims
         # inside its update, so no eviction counter says so)
         first_trim = next((i for i, e in enumerate(media) if e["retained_cells"] < e["full_context_tokens"]), None)
-        if r["policy"] in ("full", "mlx_kvcache") or first_trim is None:
+        if split_variant(r["policy"])[0] in UNBOUNDED or first_trim is None:
             if len(x) >= 3:
                 slope, r2 = _fit(x, y)
                 out[r["policy"]] = {"growth": "linear", "bytes_per_token": round(slope, 1), "r2": round(r2, 4)}
@@ -904,22 +1049,30 @@ def default_session(profile, session_tokens: int) -> tuple[int, int]:
 def run_bench(shape: str, checkpoints: list[int], *, layers: int = 1, vocab: int = 4096, reps: int = 2,
               attention_reps: int = 1, session_seconds: int | None = None, question_every: int | None = None,
               session_tokens: int = 14000, policies: tuple[str, ...] = VARIANTS, sessions: bool = True,
-              seed: int = 0, log=None, setting=None) -> dict:
-    """``setting``: the media setting sizing the units (a MediaSetting or preset name; default: the default)."""
+              seed: int = 0, log=None, setting=None, kv_bits: int | None = None, kv_group_size: int = 64) -> dict:
+    """``setting``: the media setting sizing the units (a MediaSetting or preset name; default: the default).
+    ``policies`` may name quantised variants (``omnitide_kv4``, ``mlx_quantized``: see ``kv_variants``); they
+    need ``kv_bits`` (the same bits) and use ``kv_group_size``."""
+    for name in policies:
+        base, bits = split_variant(name)
+        if base not in VARIANTS and name != MLX_LM_QUANT:
+            raise ValueError(f"unknown variant {name!r}")
+        if (bits is not None or name == MLX_LM_QUANT) and (kv_bits is None or (bits and bits != kv_bits)):
+            raise ValueError(f"variant {name} needs kv_bits={bits or '8|4'} (got {kv_bits})")
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collector pause inside a timed call: the runs collect between rounds and events
     try:
         return _run_bench(shape, checkpoints, layers=layers, vocab=vocab, reps=reps, attention_reps=attention_reps,
                           session_seconds=session_seconds, question_every=question_every,
                           session_tokens=session_tokens, policies=policies, sessions=sessions, seed=seed, log=log,
-                          setting=setting)
+                          setting=setting, kv_bits=kv_bits, kv_group_size=kv_group_size)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, session_seconds, question_every,
-               session_tokens, policies, sessions, seed, log, setting=None) -> dict:
+               session_tokens, policies, sessions, seed, log, setting=None, kv_bits=None, kv_group_size=64) -> dict:
     t_start, c_start = _now()
     load_before = load_average()
     started = dict(versions(), uncommitted=_uncommitted())  # the code this run imports, taken at its start
@@ -929,7 +1082,8 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
     rows: list[dict] = []
     cost = {}
     if checkpoints:
-        variants = {name: make_variant(name, model) for name in policies}
+        variants = {name: make_variant(name, model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+                    for name in policies}
         t0 = time.perf_counter()
         rows += bench_checkpoints(model, variants, checkpoints, stream, reps=reps,
                                   attention_reps=min(attention_reps, reps), seed=seed,
@@ -941,7 +1095,8 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
     session = StreamSpec(session_seconds or sec, question_every=question_every or qe, seed=seed)
     if sessions:
         t0 = time.perf_counter()
-        variants = {name: make_variant(name, model, profiled=True) for name in policies}
+        variants = {name: make_variant(name, model, profiled=True, kv_bits=kv_bits, kv_group_size=kv_group_size)
+                    for name in policies}
         rows += run_sessions(model, variants, session, log)
         cost["sessions_s"] = round(time.perf_counter() - t0, 1)
         del variants
@@ -957,8 +1112,10 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
                   "weights_bytes": model.weights_bytes,
                   "vocab_note": "reduced vocabulary: logits of the last position only"},
         "profile": prof.to_json(),
-        "policies": {name: make_policy(name, profile=prof).config() for name in policies if name in ENGINE_POLICIES},
+        "policies": {name: make_policy(split_variant(name)[0], profile=prof).config() for name in policies
+                     if split_variant(name)[0] in ENGINE_POLICIES},
         "mlx_lm": {"prefill_step": MLX_LM_PREFILL_STEP, "rotating_max_size": prof.high, "rotating_keep": MLX_LM_KEEP},
+        "kv_quant": kv_quant_info(model, policies, kv_bits, kv_group_size),
         "checkpoints": sorted(checkpoints),
         "checkpoint_stream": stream.to_json(),
         "session_stream": session.to_json(),
@@ -1036,6 +1193,27 @@ def markdown(result: dict) -> str:
                      f"{r['decode_s']:.1f} | {r['maintenance_s']:.3f} ({100 * r['maintenance_share']:.2f} %) | "
                      f"{r['retained_cells']} / {r['physical_span']} / {r['peak_span']} | "
                      f"{r['kv_bytes_real_model'] / 1e6:.0f} | {r['peak_memory_bytes'] / 1e6:.0f} |")
+    kq = result.get("goals", {}).get("kv_quant")
+    if kq:
+        lines += ["", "| checkpoint | quantised | float | update ms (ratio) | attention ms (ratio) "
+                  "| KV MB allocated (ratio) | KV MB real model, retained (ratio) |", "|---|---|---|---|---|---|---|"]
+        for e in kq["checkpoints"]:
+            lines.append(f"| {e['checkpoint']} | {e['variant']} | {e['float']} | {e['update_ms'][0]:.0f} / "
+                         f"{e['update_ms'][1]:.0f} ({e['update_ms_ratio']:.2f}) | {e['attention_ms'][0]:.0f} / "
+                         f"{e['attention_ms'][1]:.0f} ({e['attention_ms_ratio']:.2f}) | "
+                         f"{e['kv_bytes'][0] / 1e6:.1f} / {e['kv_bytes'][1] / 1e6:.1f} ({e['kv_bytes_ratio']:.3f}) | "
+                         f"{e['kv_bytes_real_model'][0] / 1e6:.1f} / {e['kv_bytes_real_model'][1] / 1e6:.1f} "
+                         f"({e['kv_bytes_real_model_ratio']:.3f}) |")
+        lines += ["", "| quantised | float | session s (ratio) | prefill attention s (ratio) | decode attention s "
+                  "(ratio) | KV MB allocated at the end (ratio) |", "|---|---|---|---|---|---|"]
+        for e in kq["sessions"]:
+            def pair(k, scale=1.0, fmt=".2f"):
+                if k not in e:
+                    return "-"
+                return (f"{e[k][0] / scale:{fmt}} / {e[k][1] / scale:{fmt}} "
+                        f"({e[k + '_ratio'] if e[k + '_ratio'] is not None else float('nan'):.2f})")
+            lines.append(f"| {e['variant']} | {e['float']} | {pair('session_s')} | {pair('prefill_attention_s')} | "
+                         f"{pair('decode_attention_s')} | {pair('kv_bytes', 1e6, '.1f')} |")
     return "\n".join(lines)
 
 
@@ -1063,10 +1241,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-every", type=int, default=None,
                    help="a question every N seconds of the session (default: two per session)")
     p.add_argument("--no-sessions", action="store_true", help="skip the whole-session runs")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                   help="also run quantised twins side by side: the engine over an OmniCache holding K/V in 8 or 4 "
+                        "bits (one variant per --kv-policies policy, named omnitide_kv4, ...) and mlx-lm's "
+                        f"QuantizedKVCache ({MLX_LM_QUANT}, when an mlx-lm variant runs)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="quantisation group size along the head dimension (default 64)")
+    p.add_argument("--kv-policies", default=",".join(KV_POLICIES),
+                   help=f"with --kv-bits: the engine policies that get a quantised twin, each also in --policies "
+                        f"(default {','.join(KV_POLICIES)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, help="write the figures (one PNG) here")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+
+
+def kv_variants(policies: tuple[str, ...], bits: int, kv_policies) -> tuple[str, ...]:
+    """``policies`` with the quantised twins of ``--kv-bits``: ``<policy>_kv<bits>`` right after each of
+    ``kv_policies`` (each must run in float too), and mlx-lm's QuantizedKVCache after the mlx-lm variants when one
+    runs."""
+    want = [p.strip() for p in kv_policies if p.strip()]
+    bad = [p for p in want if p not in ENGINE_POLICIES or p not in policies]
+    if bad or not want:
+        raise ValueError(f"--kv-policies {bad or want}: each must be an engine policy that also runs (--policies)")
+    out = []
+    for name in policies:
+        out.append(name)
+        if name in want:
+            out.append(quant_name(name, bits))
+    if any(n in MLX_LM_VARIANTS for n in policies):
+        out.append(MLX_LM_QUANT)
+    return tuple(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1086,6 +1291,17 @@ def run(args: argparse.Namespace) -> int:
     if args.layers < 1 or args.reps < 1 or args.attention_reps < 1:
         print("--layers, --reps and --attention-reps must be at least 1", file=sys.stderr)
         return 2
+    if args.kv_bits is not None:
+        try:
+            policies = kv_variants(policies, args.kv_bits, str(args.kv_policies).split(","))
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        head_dim = SHAPES[args.shape].head_dim
+        if head_dim % args.kv_group_size:
+            print(f"--kv-group-size {args.kv_group_size} does not divide the {args.shape} head_dim ({head_dim})",
+                  file=sys.stderr)
+            return 2
 
     def log(x):
         print(x, flush=True)
@@ -1100,7 +1316,8 @@ def run(args: argparse.Namespace) -> int:
     result = run_bench(args.shape, checkpoints, setting=setting, layers=args.layers, vocab=args.vocab, reps=args.reps,
                        attention_reps=args.attention_reps, session_seconds=args.session_seconds,
                        question_every=args.question_every, session_tokens=args.session_tokens, policies=policies,
-                       sessions=not args.no_sessions, seed=args.seed, log=log)
+                       sessions=not args.no_sessions, seed=args.seed, log=log, kv_bits=args.kv_bits,
+                       kv_group_size=args.kv_group_size)
     from .stream_plots import plot
 
     write_outputs(result, args, markdown=markdown, plot=plot)

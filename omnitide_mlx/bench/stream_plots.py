@@ -11,23 +11,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from .stream import LAYOUT_TRIO, PAPER_ACCURACY, VARIANTS
+from .stream import LAYOUT_TRIO, MLX_LM_QUANT, PAPER_ACCURACY, split_variant
 
 COLORS = {"full": "black", "fifo": "#8064a2", "token": "#f79646", "streamingllm": "#4bacc6", "h2o": "#7f7f7f",
           "omnipick": "#c0504d", "omnitide": "#4f81bd", "eager": "#9bbb59", "mlx_kvcache": "#404040",
           "mlx_rotating": "#b0a060"}
-STYLE = {"mlx_kvcache": "--", "mlx_rotating": "--"}
+STYLE = {"mlx_kvcache": "--", "mlx_rotating": "--", MLX_LM_QUANT: "-."}
+COLORS[MLX_LM_QUANT] = "#a05080"
+
+
+def _color(name: str) -> str:
+    """A quantised twin (omnitide_kv4) takes its float policy's colour, drawn dotted."""
+    return COLORS[split_variant(name)[0]]
+
+
+def _style(name: str) -> str:
+    return ":" if split_variant(name)[1] else STYLE.get(name, "-")
 LAYOUT_LABEL = {"omnipick": "native (OmniPick)", "omnitide": "OmniPage (OmniTide, + migration)",
                 "eager": "eager (migration excluded)"}
 
 
 def _checkpoint_panel(ax, rows, key, title, ylabel):
-    for name in VARIANTS:
+    for name in dict.fromkeys(r["policy"] for r in rows):
         sel = sorted((r for r in rows if r["policy"] == name), key=lambda r: r["checkpoint"])
-        if not sel:
-            continue
-        ax.plot([r["checkpoint"] for r in sel], [r[key] for r in sel], STYLE.get(name, "-"), marker="o", ms=3,
-                color=COLORS[name], label=name, lw=1.6 if name == "omnitide" else 1.0)
+        ax.plot([r["checkpoint"] for r in sel], [r[key] for r in sel], _style(name), marker="o", ms=3,
+                color=_color(name), label=name, lw=1.6 if split_variant(name)[0] == "omnitide" else 1.0)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("no-slide checkpoint (tokens)")
@@ -105,7 +113,7 @@ def _session_row(row, result: dict, sess: dict, prof: dict) -> None:
         lo = min(acc.values()) - 4 if acc else 40
         for name, r in sess.items():
             y = acc.get(name)
-            ax.scatter(r["session_cpu_s"], y if y is not None else lo, color=COLORS[name], s=40,
+            ax.scatter(r["session_cpu_s"], y if y is not None else lo, color=_color(name), s=40,
                        marker="o" if y is not None else "x")
             ax.annotate(name, (r["session_cpu_s"], y if y is not None else lo), fontsize=7,
                         textcoords="offset points", xytext=(4, 3))
@@ -152,7 +160,7 @@ def _session_row(row, result: dict, sess: dict, prof: dict) -> None:
         for name, r in sess.items():
             media = [e for e in r["series"] if e["kind"] == "media"]
             ax.plot([e["full_context_tokens"] for e in media], [e["peak_memory_bytes"] / 1e6 for e in media],
-                    STYLE.get(name, "-"), marker=".", color=COLORS[name], label=name, lw=1.0)
+                    _style(name), marker=".", color=_color(name), label=name, lw=1.0)
         ax.set_xlabel("no-slide history (tokens)")
         ax.set_ylabel("peak memory of the update, MB (weights + KV + transient)")
         ax.set_title("(f) memory per update over the session", fontsize=10)

@@ -339,7 +339,8 @@ def run_perplexity(config: PerplexityConfig, settings: list[StreamSetting], out:
                 f"{time.perf_counter() - t0:6.1f} s")
         rec = items.records()["stream"]
         summ = summarize_stream(rec["scores"], config.window, rec["context_length"])
-        results[s.key] = {"setting": s.to_json(), "seconds": rec["seconds"], **summ}
+        results[s.key] = {"setting": s.to_json(), "seconds": rec["seconds"], "context_length": rec["context_length"],
+                          **summ}
     full = results.get("full")
     if full:  # the bounded settings on the stretch full context could read, for a like-for-like comparison
         last = full["units"]
@@ -406,13 +407,17 @@ def plot_perplexity(doc: dict, path: Path) -> bool:
             colour = colours.get(s["name"], "C5") if s["variant"] != "c" else ("C7" if s["name"] == "token" else "C8")
             ax.plot(x, y, style, color=colour, lw=1.4 if s["variant"] != "b" else 1.0,
                     label=f"{s['label']} ({s['variant']})" if s["variant"] != "-" else s["label"])
-        ax.axvline(8192, color="grey", lw=0.6)
+        ctx = next((r.get("context_length") for r in res.values() if r.get("context_length")), None)
+        if ctx:  # where positions kept with gaps (b) pass the trained context
+            ax.axvline(ctx, color="grey", lw=0.6)
+            ax.annotate(f"context length {ctx}", (ctx, 0.02), xycoords=("data", "axes fraction"), fontsize=7,
+                        color="grey", xytext=(3, 0), textcoords="offset points")
         ax.set_title(f"watermarks {mk}")
         ax.set_xlabel("tokens streamed")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     axes[0][0].set_ylabel(f"mean NLL per text token (window of {doc['config']['window']} units)")
-    fig.suptitle("SmolLM2-135M-Instruct reading KJV Genesis through OmniSession: (a) shift + re-rotate, "
+    fig.suptitle("SmolLM2-135M-Instruct reading KJV Genesis through OmniSession\n(a) shift + re-rotate, "
                  "(b) keep positions (gaps), (c) no system prefix", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

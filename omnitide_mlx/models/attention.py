@@ -3,7 +3,8 @@ positions, and one forward step of an OmniCache.
 
 A model's attention calls ``cached_attention`` (docs/design.md): an ``OmniLayerCache`` attends over its page table
 (tile skipping, holes masked), an mlx-lm ``KVCache`` / ``RotatingKVCache`` appends and returns the whole K/V for
-``mx.fast.scaled_dot_product_attention``, and None attends over the chunk alone.
+``mx.fast.scaled_dot_product_attention``, an mlx-lm ``QuantizedKVCache`` returns packed K/V for mlx-lm's own
+quantised attention (``quantized_matmul``, as mlx-lm's models call it), and None attends over the chunk alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def cached_attention(q: mx.array, k: mx.array, v: mx.array, cache, scale: float,
         k, v = cache.update_and_fetch(k, v)
     if mask is None and q.shape[2] > 1:
         mask = "causal"
+    if cache is not None and hasattr(cache, "bits"):  # mlx-lm's QuantizedKVCache: (packed, scales, biases) K/V
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+        return quantized_scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, group_size=cache.group_size,
+                                                      bits=cache.bits)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 

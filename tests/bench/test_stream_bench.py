@@ -113,10 +113,10 @@ def test_flop_limit_at_32k_for_the_3b_shape():
 
 
 def test_update_flops_by_hand():
-    s = SHAPES["tiny"]  # hidden 64, intermediate 128, 4 q heads, 2 KV heads, head_dim 16
-    macs = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    s = SHAPES["tiny"]  # hidden 64, intermediate 128, 4 q heads, 2 KV heads, head_dim 32
+    macs = 64 * 128 + 2 * 64 * 64 + 128 * 64 + 3 * 64 * 128
     assert s.linear_macs_per_token() == macs
-    assert update_flops(s, 2, 256, 10, 1000) == 2 * (2 * macs * 10 + 4 * 4 * 16 * 1000) + 2 * 64 * 256
+    assert update_flops(s, 2, 256, 10, 1000) == 2 * (2 * macs * 10 + 4 * 4 * 32 * 1000) + 2 * 64 * 256
 
 
 def test_restore_repeats_the_same_update():
@@ -179,3 +179,114 @@ def test_session_and_cost_limits(tiny_run):
             assert r["cpu_cost_limit"] > 0
             if r["policy"] == "full":
                 assert r["cpu_cost_limit"] == pytest.approx(1.0, abs=1e-3)
+
+
+# --- quantised KV side by side (--kv-bits) ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_kv_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream_kv")
+    out, png = d / "s.json", d / "s.png"
+    rc = main(["bench", "stream", "--shape", "tiny", "--checkpoints", "300,600", "--session-seconds", "6",
+               "--question-every", "3", "--policies", "full,omnitide,mlx_kvcache,mlx_rotating", "--kv-bits", "4",
+               "--kv-group-size", "32", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    return json.loads(out.read_text()), png
+
+
+def test_kv_bits_adds_quantised_twins_and_the_mlx_lm_peer(tiny_kv_run):
+    """--kv-bits 4 runs full_kv4 / omnitide_kv4 beside full / omnitide and mlx-lm's QuantizedKVCache beside its
+    KVCache, in the same run; the rows keep every float key and add retention / kv_bits / kv_group_size."""
+    result, png = tiny_kv_run
+    names = ["full", "full_kv4", "omnitide", "omnitide_kv4", "mlx_kvcache", "mlx_rotating", "mlx_quantized"]
+    upd = {(r["checkpoint"], r["policy"]): r for r in result["rows"] if r["kind"] == "update"}
+    assert sorted(upd) == sorted((c, n) for c in (300, 600) for n in names)
+    for r in upd.values():
+        assert UPDATE_KEYS <= set(r), UPDATE_KEYS - set(r)
+        quant = r["policy"] in ("full_kv4", "omnitide_kv4", "mlx_quantized")
+        assert r["kv_bits"] == (4 if quant else None) and r["kv_group_size"] == (32 if quant else None)
+        assert r["retention"] == bs.split_variant(r["policy"])[0]
+    sess = {r["policy"]: r for r in result["rows"] if r["kind"] == "session"}
+    assert set(sess) == set(names)
+    assert len({r["decoded_tokens"] for r in sess.values()}) == 1
+    assert result["kv_quant"]["bits"] == 4 and result["kv_quant"]["group_size"] == 32
+    assert result["kv_quant"]["variants"] == ["full_kv4", "omnitide_kv4", "mlx_quantized"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quantised_twins_keep_the_same_cells_in_fewer_bytes(tiny_kv_run):
+    """A twin retains exactly what its float policy retains; its buffers hold packed values plus scales and
+    biases: tiny head_dim 32 at 4 bits in groups of 32 is 16 + 2 x 4 bytes a row against 128 in float32."""
+    result, _ = tiny_kv_run
+    kq = result["goals"]["kv_quant"]
+    assert {(e["variant"], e["float"]) for e in kq["checkpoints"]} == {
+        ("full_kv4", "full"), ("omnitide_kv4", "omnitide"), ("mlx_quantized", "mlx_kvcache")}
+    assert len(kq["checkpoints"]) == 6 and len(kq["sessions"]) == 3
+    for e in kq["checkpoints"] + kq["sessions"]:
+        assert e["same_retained_cells"], e
+        assert e["kv_bytes_ratio"] == pytest.approx(24 / 128, rel=1e-3), e
+        # the real model's fp16 KV: 16 + 2 x 2 bytes of scale and bias against 64
+        assert e["kv_bytes_real_model_ratio"] == pytest.approx(20 / 64, rel=1e-3), e
+    info = result["kv_quant"]
+    assert info["bench_kv_bytes_per_token"] * 128 == info["bench_kv_bytes_per_token_float"] * 24
+    assert result["goals"]["memory"]["full_kv4"]["growth"] == "linear"
+    assert result["goals"]["memory"]["mlx_quantized"]["growth"] == "linear"
+    sess = {r["policy"]: r for r in result["rows"] if r["kind"] == "session"}
+    assert sess["omnitide_kv4"]["evictions"] == sess["omnitide"]["evictions"] > 0
+    assert sess["omnitide_kv4"]["prefill_attention_s"] > 0 and "prefill_attention_s" in kq["sessions"][1]
+
+
+def test_engine_quantised_cache_computes_what_mlx_lm_quantized_kvcache_does():
+    """Without eviction the engine over a 4-bit OmniCache and mlx-lm's QuantizedKVCache quantise the same K/V in
+    the same groups: the same logits (up to float rounding), away from the float caches' logits."""
+    model = ShapeTrueModel("tiny", layers=2)
+    eng_q = bs.make_variant("full_kv4", model, kv_bits=4, kv_group_size=32)
+    eng_f = bs.make_variant("full", model)
+    lm_q = bs.make_variant("mlx_quantized", model, kv_bits=4, kv_group_size=32)
+    lm_f = bs.make_variant("mlx_kvcache", model)
+    for t in range(4):
+        eng_q.media(float(t))
+        eng_f.media(float(t))
+        out_q = lm_q._prefill(lm_q.adapter.media_unit(bs._FRAME, bs._SECOND, float(t), lm_q.next_position))
+        out_f = lm_f._prefill(lm_f.adapter.media_unit(bs._FRAME, bs._SECOND, float(t), lm_f.next_position))
+    def gap(a, b):
+        return float(mx.abs(a - b).max())
+    assert gap(eng_q.session._last_logits, out_q) < 1e-5
+    assert gap(eng_f.session._last_logits, out_f) < 1e-5
+    assert gap(eng_q.session._last_logits, eng_f.session._last_logits) > 1e-3  # the twin really is quantised
+    assert eng_q.session.cache.kv_bits == 4 and lm_q.caches[0].bits == 4
+
+
+def test_quantised_checkpoint_state_installs_packed_rows():
+    """The installed synthetic state of a quantised twin is packed (uint32 rows, scales, biases) and restores."""
+    model = ShapeTrueModel("tiny", layers=1)
+    stream = StreamSpec(20, question_every=5)
+    st = bs.checkpoint_states(model.profile, "omnitide", [600], stream)[0]
+    var = bs.EngineVariant("omnitide_kv8", model, kv_bits=8, kv_group_size=32)
+    var.install(st.table, st.history, st.peak_span, np.random.default_rng(0))
+    layer = var.session.cache.layers[0]
+    assert isinstance(layer.keys, list) and layer.keys[0].dtype == mx.uint32
+    assert layer.keys[0].shape[-1] == 32 * 8 // 32
+    var.media(0.0)
+    first = var.layout()
+    var.restore()
+    var.media(0.0)
+    assert var.layout() == first and first["retained_cells"] <= model.profile.high
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-bits", "4"], "does not divide"),  # group 64 > tiny head_dim 32
+    (["--kv-bits", "4", "--kv-group-size", "32", "--kv-policies", "h2o"], "--kv-policies"),
+])
+def test_kv_bits_usage_errors(argv, message, capsys):
+    rc = main(["bench", "stream", "--shape", "tiny", "--checkpoints", "300", "--no-sessions",
+               "--policies", "full,omnitide", *argv])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_run_bench_rejects_quantised_variants_without_bits():
+    with pytest.raises(ValueError, match="kv_bits"):
+        bs.run_bench("tiny", [300], policies=("full", "omnitide_kv4"), sessions=False)
+    with pytest.raises(ValueError, match="kv_bits"):
+        bs.run_bench("tiny", [300], policies=("full", "omnitide_kv8"), sessions=False, kv_bits=4,
+                     kv_group_size=32)
