@@ -69,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
     from omnitide_mlx.core.page import LayoutError
     from omnitide_mlx.core.pick import RetentionError, make_policy
     from omnitide_mlx.core.profiles import ProfileError, StreamSpec
-    from omnitide_mlx.core.sim import SimError, Simulator, plot_result
+    from omnitide_mlx.core.sim import SimError, Simulator
     from omnitide_mlx.core.stream_units import watermark_guard
     from omnitide_mlx.models.stream_units import resolve_profile
+    from omnitide_mlx.plots.simulate import plot_result
 
     from .options import UsageError, media_setting
 
