@@ -37,7 +37,7 @@ import numpy as np
 from .core.page import AllocClass
 from .core.page import MigrationPlanner
 from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
-from .core.sim import make_layout
+from .core.layout import make_layout
 from .core.stream_units import MediaSetting, watermark_guard
 from .core.units import History, SpanKind, Unit, UnitKind
 from .errors import InputTooLargeError, MediaError, RestoreError, SamplingError, SessionBusyError, SessionError

@@ -6,12 +6,7 @@ is above the high watermark, every layout frees the deleted tokens' slots, and t
 may move entries. Retention does not depend on the layout, so one history drives all layouts side by side and
 they see exactly the same plans.
 
-Layouts:
-
-- ``native``: first-fit placement (llama.cpp's ``find_slot`` after ``seq_rm``), never moves.
-- ``omnipage``: class-aware placement and selective migration (``class_aware`` for tile-skipping kernels, or
-  ``ordered_suffix`` for span-traversing ones).
-- ``eager``: first-fit placement, and everything packed to a contiguous prefix after every eviction.
+Layouts (native / omnipage / eager) come from the one registry, core/layout.py.
 
 Per update the simulator records the layout after maintenance (retained cells, physical span, active pages and
 subblocks, holes, cells moved, bytes) and the span attention walked during the update's prefill (``peak_span`` is
@@ -26,34 +21,15 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from .errors import OmniTideError
-from .page import AllocClass, LayoutStats, MigrationPlanner, PageTable
+from .layout import LAYOUT_NAMES, layout_spec
+from .page import AllocClass, LayoutError, LayoutStats, MigrationPlanner, PageTable
 from .pick import RetentionPolicy, apply_plan, make_policy
 from .profiles import ModelProfile, StreamSpec, build_unit, get_profile
 from .units import History
 
-LAYOUT_NAMES = ("native", "omnipage", "eager")
-MIGRATION_FOR_OMNIPAGE = ("class_aware", "ordered_suffix")
-
 
 class SimError(OmniTideError, ValueError):
     """A bad simulator request (unknown layout, impossible checkpoint, ...)."""
-
-
-def make_layout(name: str, page_size: int = 64, subblock_size: int = 32, migration: str = "class_aware",
-                min_gain_pages: int = 1) -> tuple[PageTable, MigrationPlanner]:
-    """The page table and migration planner of a layout by name (native / omnipage / eager)."""
-    if name == "native":
-        return PageTable(page_size, subblock_size, placement="first_fit"), MigrationPlanner("native")
-    if name == "eager":
-        return PageTable(page_size, subblock_size, placement="first_fit"), MigrationPlanner("eager")
-    if name == "omnipage":
-        if migration not in MIGRATION_FOR_OMNIPAGE:
-            raise SimError(f"OmniPage migration must be one of {MIGRATION_FOR_OMNIPAGE}, got {migration!r}")
-        # paper 6.2: the ordered-suffix mode "replaces class-based placement"
-        placement = "class_aware" if migration == "class_aware" else "first_fit"
-        return (PageTable(page_size, subblock_size, placement=placement),
-                MigrationPlanner(migration, min_gain_pages=min_gain_pages))
-    raise SimError(f"unknown layout {name!r}; choose from {LAYOUT_NAMES}")
 
 
 _STEADY_KEYS = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "prefill_span",
@@ -150,7 +126,10 @@ class Simulator:
             raise SimError("no layout to simulate")
         self.layouts: dict[str, LayoutTrace] = {}
         for name in layouts:
-            table, planner = make_layout(name, page_size, subblock_size, migration, min_gain_pages)
+            try:
+                table, planner = layout_spec(name, migration, min_gain_pages).build(page_size, subblock_size)
+            except LayoutError as e:
+                raise SimError(str(e)) from None
             self.layouts[name] = LayoutTrace(name, table, planner, self.profile.kv_bytes_per_token)
         self.check = check
         self.history = History([self.profile.system_unit(0)])
