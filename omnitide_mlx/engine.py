@@ -83,6 +83,10 @@ class SessionCounters:
     migrations: int = 0
     migrated_cells: int = 0
     rejected_chunks: int = 0
+    frames: int = 0  # frames streamed in media units
+    audio_seconds: float = 0.0  # seconds of pushed audio streamed
+    silence_seconds: float = 0.0  # seconds of silence given to frames whose audio lagged too far or had ended
+    frames_replaced: int = 0  # frames pushed with audio in a second that a newer frame (with audio) then took
     prefill_ms: float = 0.0
     maintenance_ms: float = 0.0
     decode_ms: float = 0.0
@@ -148,6 +152,17 @@ class _Pending:
 
 
 @dataclass
+class _Waiting:
+    """A frame waiting for its second of audio (pushed once audio flows)."""
+
+    frame: np.ndarray
+    t: float | None
+    with_audio: bool  # pushed with audio: it stands for the second that audio completes, so a newer frame pushed
+    # with audio before that second is complete replaces it (one frame per second, the newest); a frame pushed
+    # without audio stands for a second of its own and only ever queues
+
+
+@dataclass
 class _Reply:
     """An open reply: everything its decode steps share, so that no step keeps state in a suspended generator."""
 
@@ -167,6 +182,7 @@ class _Reply:
 
 RESERVE_PAGES = 2  # a KV budget's high watermark sits this many pages under its ceiling (see watermarks_for_budget)
 REPLY_CLOSING_RESERVE = 8  # slots kept for the tokens that close a reply (2-3 in the supported models)
+FRAME_WAIT_UNITS = 3  # frames that may wait for their audio; beyond, the oldest streams with a second of silence
 
 
 def policy_from(policy: RetentionPolicy | str | None, high: int | None = None, low: int | None = None) -> RetentionPolicy:
@@ -373,7 +389,7 @@ class StreamingSession:
         self._inbox: deque[_Pending] = deque()
         self.rejected: deque[str] = deque(maxlen=64)  # errors of queued chunks whose push() had returned
         self._audio_buf = np.zeros(0, dtype=np.float32)
-        self._pending_frame: np.ndarray | None = None
+        self._waiting: deque[_Waiting] = deque()  # frames waiting for their audio, oldest first
         self._pending_t: float | None = None
         self._audio_driven = False
         self._seconds = 0.0  # stream time given to units pushed without t
@@ -438,8 +454,12 @@ class StreamingSession:
              sample_rate: int | None = SAMPLE_RATE) -> list[UpdateRecord]:
         """Queue a camera frame, a piece of audio (any rate, any length) and/or user text (context, no reply).
 
-        Units are assembled at one per second of audio (each with the newest frame); without audio every frame
-        is a unit. Input is validated here: a bad chunk raises MediaError and the session goes on unchanged.
+        Units are assembled at one per second of audio (each with the newest frame pushed with that audio);
+        without audio every frame is a unit. Once audio flows, a frame pushed without audio waits for its second of
+        audio (a microphone that lags the camera): waiting frames queue in order, and when more than
+        ``FRAME_WAIT_UNITS`` wait (the audio has ended or lags further) the oldest streams with a second of
+        silence; audio without frames streams as units without one. ``flush()`` streams whatever still waits, and
+        ``stats()["media"]`` counts what was streamed. Input is validated here: a bad chunk raises MediaError and the session goes on unchanged.
         Returns the updates this call processed (empty when another thread holds the engine: it processes the
         queued chunk when it finishes).
         """
@@ -462,7 +482,8 @@ class StreamingSession:
         return records
 
     def flush(self) -> list[UpdateRecord]:
-        """Turn buffered input (less than a second of audio, a frame waiting for its audio) into a unit.
+        """Turn buffered input into units: less than a second of audio (with the oldest waiting frame, if any),
+        then every frame still waiting for its audio (with a second of silence).
 
         While a reply is open the flush queues and runs when the reply ends (it returns ``[]`` then)."""
         with self._engine():
@@ -551,6 +572,8 @@ class StreamingSession:
                 "migrations": c.migrations,
                 "migrated_cells": c.migrated_cells,
                 "rejected_chunks": c.rejected_chunks,
+                "media": {"frames": c.frames, "audio_seconds": c.audio_seconds, "silence_seconds": c.silence_seconds,
+                          "frames_waiting": len(self._waiting), "frames_replaced": c.frames_replaced},
                 "timings": {
                     "prefill_ms": c.prefill_ms,
                     "maintenance_ms": c.maintenance_ms,
@@ -598,8 +621,8 @@ class StreamingSession:
         arrays = dict(arrays)
         if self._audio_buf.size:
             arrays["session.audio_buf"] = self._audio_buf
-        if self._pending_frame is not None:
-            arrays["session.pending_frame"] = self._pending_frame
+        for i, w in enumerate(self._waiting):
+            arrays[f"session.waiting_frame.{i}"] = w.frame
         if self._last_logits is not None:
             arrays["session.last_logits"] = self._last_logits
         if arrays:
@@ -622,7 +645,8 @@ class StreamingSession:
             "counters": asdict(self.counters),
             "records": [asdict(r) for r in self.records],
             "stream": {"seconds": self._seconds, "audio_driven": self._audio_driven,
-                       "pending_t": self._pending_t},
+                       "pending_t": self._pending_t,
+                       "waiting": [{"t": w.t, "with_audio": w.with_audio} for w in self._waiting]},
         }
         with open(path / "session.json", "w", encoding="utf-8") as f:
             json.dump(meta, f)
@@ -729,10 +753,14 @@ class StreamingSession:
         try:
             if "session.audio_buf" in arrays:
                 self._audio_buf = np.asarray(arrays.pop("session.audio_buf"), dtype=np.float32)
-            if "session.pending_frame" in arrays:
-                self._pending_frame = np.asarray(arrays.pop("session.pending_frame"), dtype=np.uint8)
-            self._last_logits = arrays.pop("session.last_logits", None)
             stream = meta.get("stream", {})
+            if "session.pending_frame" in arrays:  # saved before frames queued: one frame waiting
+                self._waiting.append(_Waiting(np.asarray(arrays.pop("session.pending_frame"), dtype=np.uint8),
+                                              None, True))
+            for i, w in enumerate(stream.get("waiting", [])):
+                self._waiting.append(_Waiting(np.asarray(arrays.pop(f"session.waiting_frame.{i}"), dtype=np.uint8),
+                                              None if w["t"] is None else float(w["t"]), bool(w["with_audio"])))
+            self._last_logits = arrays.pop("session.last_logits", None)
             self._seconds = float(stream.get("seconds", 0.0))
             self._audio_driven = bool(stream.get("audio_driven", False))
             self._pending_t = stream.get("pending_t")
@@ -796,10 +824,18 @@ class StreamingSession:
         records += self._drain_locked()
         if self._flush_requested:
             self._flush_requested = False
-            if self._audio_buf.size or self._pending_frame is not None:
-                audio = self._audio_buf if self._audio_buf.size else None
-                self._audio_buf = np.zeros(0, dtype=np.float32)
-                records += self._media(self._take_frame(), audio)
+            records += self._stream_waiting()
+        return records
+
+    def _stream_waiting(self) -> list[UpdateRecord]:
+        """Stream what waits: the buffered audio (less than a second) with the oldest waiting frame, then every
+        other waiting frame with a second of silence."""
+        records: list[UpdateRecord] = []
+        if self._audio_buf.size:
+            audio, self._audio_buf = self._audio_buf, np.zeros(0, dtype=np.float32)
+            records += self._media(self._take_frame(), audio)
+        while self._waiting:
+            records += self._media(self._take_frame(), self._silence(), silence=True)
         return records
 
     def _drain_locked(self) -> list[UpdateRecord]:
@@ -824,33 +860,63 @@ class StreamingSession:
 
     def _process(self, item: _Pending) -> list[UpdateRecord]:
         records: list[UpdateRecord] = []
-        if item.t is not None:
-            self._pending_t = item.t
         if item.frame is not None:
             if item.audio is None and not self._audio_driven:
-                records += self._media(item.frame, None)
+                records += self._media(_Waiting(item.frame, item.t, False), None)
+            elif item.audio is not None and any(not w.with_audio for w in self._waiting):
+                # audio comes with frames again: the frames that waited without it had none (a gap in the audio)
+                records += self._stream_waiting()
+                self._waiting.append(_Waiting(item.frame, item.t, True))
+            elif item.audio is not None and self._waiting:
+                # the one frame waiting came with audio that has not made a second yet: this frame's audio continues
+                # that second, for which the newest frame stands
+                last = self._waiting[-1]
+                last.frame, last.t = item.frame, item.t if item.t is not None else last.t
+                self.counters.frames_replaced += 1
             else:
-                self._pending_frame = item.frame
+                self._waiting.append(_Waiting(item.frame, item.t, item.audio is not None))
+        elif item.t is not None:
+            self._pending_t = item.t
         if item.audio is not None:
             self._audio_driven = True
             self._audio_buf = np.concatenate([self._audio_buf, item.audio])
             while self._audio_buf.size >= SAMPLE_RATE:
                 second, self._audio_buf = self._audio_buf[:SAMPLE_RATE], self._audio_buf[SAMPLE_RATE:]
                 records += self._media(self._take_frame(), second)
+        while len(self._waiting) > FRAME_WAIT_UNITS:  # the audio has ended or lags too far: never drop the frame
+            records += self._media(self._take_frame(), self._silence(), silence=True)
         if item.text:
             records.append(self._unit(self.adapter.context_unit(item.text, self.history.next_position())))
         return records
 
-    def _take_frame(self) -> np.ndarray | None:
-        frame, self._pending_frame = self._pending_frame, None
-        return frame
+    def _take_frame(self) -> _Waiting | None:
+        """The oldest frame waiting for its audio (None when none waits)."""
+        return self._waiting.popleft() if self._waiting else None
 
-    def _media(self, frame: np.ndarray | None, audio: np.ndarray | None) -> list[UpdateRecord]:
-        t = self._pending_t if self._pending_t is not None else self._seconds
+    def _silence(self) -> np.ndarray:
+        return np.zeros(SAMPLE_RATE, dtype=np.float32)
+
+    def _media(self, frame: _Waiting | np.ndarray | None, audio: np.ndarray | None,
+               silence: bool = False) -> list[UpdateRecord]:
+        """One media unit (``silence``: ``audio`` is padding for a frame whose audio lagged or ended). Its time:
+        the frame's own ``t``, else the ``t`` pushed with its audio, else one second after the previous unit."""
+        t = None
+        if isinstance(frame, _Waiting):
+            frame, t = frame.frame, frame.t
+        if t is None:
+            t = self._pending_t if self._pending_t is not None else self._seconds
         self._pending_t = None
         prepared = self.adapter.media_unit(frame, audio, t, self.history.next_position())
         self._seconds = t + 1.0
-        return [self._unit(prepared)]
+        records = [self._unit(prepared)]
+        c = self.counters  # counted once the unit is in: a rejected unit streamed nothing
+        c.frames += frame is not None
+        if audio is not None:
+            if silence:
+                c.silence_seconds += audio.shape[0] / SAMPLE_RATE
+            else:
+                c.audio_seconds += audio.shape[0] / SAMPLE_RATE
+        return records
 
     def _unit(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT,
               reserve: int = 0, question: bool = False) -> UpdateRecord:
