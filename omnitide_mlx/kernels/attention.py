@@ -304,7 +304,8 @@ def _attend_block(q, k_buf, v_buf, blk: _Block, q_seq: mx.array, scale: float, g
 
 @functools.lru_cache(maxsize=None)
 def metal_source(name: str) -> str:
-    """The text of ``kernels/metal/<name>.metal`` (shipped inside the package)."""
+    """The text of ``<name>.metal`` from the repository's top-level ``metal/`` folder, which the package reaches as
+    ``kernels/metal`` (a symlink in a checkout; copied into the wheel as package data, pyproject.toml)."""
     return resources.files(__package__).joinpath("metal", f"{name}.metal").read_text()
 
 
