@@ -147,8 +147,11 @@ class _Pending:
     audio: np.ndarray | None
     text: str | None
     t: float | None
-    waiting: bool = True  # the push() that queued it has not returned yet: an error goes to it
+    waiting: bool = True  # the push() that queued it has not returned yet: an error goes to it, and it processes
+    # the chunk itself once the engine is free (other threads leave it to it)
     error: Exception | None = None
+    pusher: int = 0  # the thread of that push()
+    taken: bool = False  # taken from the queue (processed or rejected)
 
 
 @dataclass
@@ -470,13 +473,15 @@ class StreamingSession:
             audio=as_mono_audio(audio, sample_rate) if audio is not None else None,
             text=_check_text(text) if text else None,
             t=_check_time(t),
+            pusher=threading.get_ident(),
         )
         with self._inbox_lock:
             self._inbox.append(pending)
-        records = self._settle()
+        records = self._settle(own=pending)
         with self._inbox_lock:
             pending.waiting = False
             error = pending.error
+        records += self._settle()  # a settler may have left the chunk to this call just as it returned
         if error is not None:
             raise error
         return records
@@ -795,33 +800,51 @@ class StreamingSession:
         if settle:
             self._settle()
 
-    def _settle(self) -> list[UpdateRecord]:
+    def _settle(self, own: _Pending | None = None) -> list[UpdateRecord]:
         """Do what is waiting (an abandoned reply to end, queued chunks, a queued flush) if the engine is free;
-        otherwise leave it to whoever holds the engine, who settles after letting go. Never blocks."""
+        otherwise leave it to whoever holds the engine, who settles after letting go.
+
+        A push() (``own``: its chunk) whose chunk is still queued while another thread holds the engine waits for
+        that one bounded piece of work and then processes the queue itself; any other caller never blocks here and
+        processes only chunks whose push() has returned. So the thread that ends a reply processes what was queued
+        during it and then goes back to its caller, instead of working on for a producer that keeps pushing
+        meanwhile (the engine soak's consumer asked 23 questions in 2,000 units that way)."""
+        me = threading.get_ident()
         records: list[UpdateRecord] = []
         while self._has_work():
             if not self._lock.acquire(blocking=False):
-                return records
-            self._holder = threading.get_ident()
+                if own is None or own.taken or self._holder == me:
+                    return records
+                self._lock.acquire()  # held for one bounded piece of work, which leaves our chunk to us
+            self._holder = me
             try:
-                records += self._settle_locked()
+                records += self._settle_locked(own)
+                stalled = own is None and self._left_to_pusher()
             finally:
                 self._holder = None
                 self._lock.release()
+            if stalled:
+                return records
         return records
+
+    def _left_to_pusher(self) -> bool:
+        """Whether the next queued chunk is left to the push() that queued it (still running, in another thread)."""
+        with self._inbox_lock:
+            head = self._inbox[0] if self._inbox else None
+            return head is not None and head.waiting and head.pusher != threading.get_ident()
 
     def _has_work(self) -> bool:
         if self._open is not None:
             return self._open.abandoned
         return bool(self._inbox) or self._flush_requested
 
-    def _settle_locked(self) -> list[UpdateRecord]:
+    def _settle_locked(self, own: _Pending | None = None) -> list[UpdateRecord]:
         records: list[UpdateRecord] = []
         if self._open is not None and self._open.abandoned:
             self._finish_reply(self._open)
         if self._open is not None:
             return records  # units wait for the reply to end
-        records += self._drain_locked()
+        records += self._drain_locked(own)
         if self._flush_requested:
             self._flush_requested = False
             records += self._stream_waiting()
@@ -838,15 +861,22 @@ class StreamingSession:
             records += self._media(self._take_frame(), self._silence(), silence=True)
         return records
 
-    def _drain_locked(self) -> list[UpdateRecord]:
-        """Process the queued chunks in order. A chunk the model rejects is counted and skipped; its error goes to
-        the push() that queued it when that call is still waiting, else to ``rejected`` and a warning."""
+    def _drain_locked(self, own: _Pending | None = None) -> list[UpdateRecord]:
+        """Process the queued chunks in order: all of them for a push() (``own``), else up to the first one whose
+        push() is still running in another thread (it processes that one itself). A chunk the model rejects is
+        counted and skipped; its error goes to the push() that queued it when that call is still waiting, else to
+        ``rejected`` and a warning."""
         records: list[UpdateRecord] = []
+        me = threading.get_ident()
         while True:
             with self._inbox_lock:
                 if not self._inbox:
                     return records
+                head = self._inbox[0]
+                if own is None and head.waiting and head.pusher != me:
+                    return records
                 item = self._inbox.popleft()
+                item.taken = True
             try:
                 records += self._process(item)
             except MediaError as e:

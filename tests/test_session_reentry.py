@@ -4,6 +4,7 @@ nobody; closing (or dropping) a reply's iterator ends the reply cleanly."""
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -178,3 +179,62 @@ def test_producer_thread_keeps_pushing_while_replies_are_abandoned(model, chunks
     assert media_t == [float(k) for k in range(n)]
     _consistent(s)
     np.testing.assert_equal(s.counters.units, 1 + n + 2 * 4)
+
+
+def test_the_consumer_is_not_made_the_producers_worker(model, chunks):
+    """The engine soak asked 23 questions in 2,000 units instead of 100: when a reply ended, the consumer's thread
+    processed the chunks queued meanwhile, and its settle loop went on with every chunk the producer pushed while it
+    worked (the producer's push found the engine busy and returned at once), so the consumer became the producer's
+    worker until the producer paused. Here the producer pushes one more chunk during each unit the consumer
+    processes: the consumer must process only the chunks whose push() had returned and leave the others to their
+    pushers (before: it processed all 8 media units, the 2 queued during the reply and the 6 pushed meanwhile)."""
+    main = threading.current_thread().name
+    trigger, pushed_back, done = threading.Event(), threading.Event(), threading.Event()
+    pushed_back.set()
+    units: list[tuple[str, str]] = []
+    extra = {"left": 0}
+    k = 0
+
+    def on_update(rec):
+        units.append((threading.current_thread().name, rec.kind))
+        if threading.current_thread().name == main and extra["left"] and pushed_back.is_set():
+            extra["left"] -= 1
+            n = s.queued
+            pushed_back.clear()
+            trigger.set()  # the producer pushes now, while this thread works
+            deadline = time.monotonic() + 10
+            while s.queued == n and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    s = OmniSession(model, policy="omnitide", high=300, low=200, on_update=on_update)
+
+    def produce():
+        nonlocal k
+        while not done.is_set():
+            if trigger.wait(0.05):
+                trigger.clear()
+                s.push(frame=chunks[k % 6][0], audio=chunks[k % 6][1], t=float(k))
+                k += 1
+                pushed_back.set()
+
+    th = threading.Thread(target=produce, name="producer", daemon=True)
+    th.start()
+    it = s.ask("What colour is the square?", max_tokens=4)
+    next(it, None)
+    for _ in range(2):  # queued while the reply is open: these push() calls return at once
+        pushed_back.clear()
+        trigger.set()
+        assert pushed_back.wait(10)
+    assert s.queued == 2
+    extra["left"] = 6
+    it.close()  # the reply ends; this thread settles what was queued
+    deadline = time.monotonic() + 120
+    while (s.queued or not pushed_back.is_set() or trigger.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done.set()
+    th.join(10)
+    here = sum(1 for name, kind in units if name == main and kind == "media")
+    assert here == 2, f"the consumer's thread processed {here} media units: {units}"
+    assert [r.t for r in s.records if r.kind == "media"] == [float(x) for x in range(k)]
+    assert k >= 3
+    _consistent(s)

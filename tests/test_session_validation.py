@@ -32,7 +32,7 @@ def session(model, chunks):
 
 
 def _state(s):
-    return s.history.to_json(), s.cache.retained, s.counters.units, s._audio_buf.size, s._pending_frame is None
+    return s.history.to_json(), s.cache.retained, s.counters.units, s._audio_buf.size, len(s._waiting)
 
 
 @pytest.mark.parametrize("t", [float("nan"), -1.0, float("inf"), "abc", "5", True, [1]])

@@ -30,9 +30,9 @@ def test_an_hour_of_simulated_minicpmo_stream_stays_bounded():
 
 @pytest.mark.slow
 def test_engine_soak_with_producer_and_abandoning_consumer():
-    res = engine_soak(60, question_every=10, window=20, high=300, low=200)
+    res = engine_soak(60, question_every=10, window=30, high=300, low=200)
     assert not res["lost_units"] and res["duplicated_units"] == 0 and not res["deadlock"]
-    assert res["consumer"]["asked"] >= 3
+    assert res["consumer"]["asked"] >= 4  # one every 10 units: 5 (before the settle fix: about one per window)
     assert res["flat"]["kv_bytes"]["flat"]  # (retained cells saw-tooth; too few windows here to fit a slope)
     assert res["peak"]["retained_cells"] <= 300 + 200  # high plus the largest unit (150 tokens) and a question
     assert res["peak"]["kv_bytes"] <= res["capacity_bound"] * res["kv_bytes_per_token"]
