@@ -354,11 +354,20 @@ class OmniCache(PagedKVCache):
 
     def _shrink_buffers(self, capacity: int) -> None:
         for layer in self.layers:
-            if layer.keys is not None:
+            if layer.keys is None:
+                continue
+            if isinstance(layer.keys, list):  # quantised: packed rows, scales and biases shrink together
+                layer.keys = [mx.contiguous(a[:, :, :capacity]) for a in layer.keys]
+                layer.values = [mx.contiguous(a[:, :, :capacity]) for a in layer.values]
+            else:
                 layer.keys = mx.contiguous(layer.keys[:, :, :capacity])  # a copy: the old buffers are freed
                 layer.values = mx.contiguous(layer.values[:, :, :capacity])
-                mx.eval(layer.keys, layer.values)
+            mx.eval(layer.keys, layer.values)
         self._scores = self._scores[:capacity].copy()
+        # per-slot maps (the slots given back are free: no full-precision row, no pending shift)
+        self._full_row = self._full_row[:capacity].copy()
+        if self._shift.size:
+            self._shift = self._shift[:capacity].copy()
 
     # --- eviction (evict: PagedKVCache) -------------------------------------------------------------------------
     def _rerotate(self, slots: np.ndarray, shifts: np.ndarray) -> None:

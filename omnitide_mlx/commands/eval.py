@@ -24,7 +24,7 @@ examples:
   omnitide eval table runs/sb-3b runs/svb runs/ls   # the paper's table 2 layout
 """
 
-from .options import non_negative_int, positive_float, positive_int
+from .options import add_kv_arguments, non_negative_int, positive_float, positive_int
 
 PAPER = "full,fifo,token,streamingllm,h2o,omnipick"
 
@@ -121,6 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--facts", type=positive_int, default=10, help="facts per episode (default 10)")
     s.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     _add_policy_arguments(s, "paper", "512/368 and 256/184")
+    add_kv_arguments(s)  # recall and perplexity: the same study over a quantised KV cache (docs/quality.md)
     s.set_defaults(_eval=_run_study)
 
     t = sub.add_parser("table", help="the paper's table 2 from finished runs (one per benchmark and model)")
@@ -200,7 +201,8 @@ def _run_study(args) -> int:
         path = Path(args.gguf).expanduser() if args.gguf else smollm2_path()
         settings = _settings(args, ["512/368", "256/184"])
         config = StudyConfig(model=str(path), episodes=args.episodes, units=args.units or 24, facts=args.facts,
-                             seed=args.seed, style=args.style, qa=args.qa)
+                             seed=args.seed, style=args.style, qa=args.qa, **_kv_config(args))
+        config.kv()  # checks --kv-keep-sinks-full before the model loads
         run_study(config, settings, Path(args.out).expanduser(), overwrite=args.overwrite,
                   log=lambda m: print(m, file=sys.stderr))
     except (GGUFError, RunFolderError, ValueError) as e:
@@ -231,10 +233,14 @@ def _run_text_experiment(args) -> int:
             if args.tokens < 1:
                 raise ValueError("--tokens must be >= 1")
             config = px.PerplexityConfig(model=path, tokens=args.tokens,
-                                         marks=tuple(marks) if marks else px.DEFAULT_MARKS)
+                                         marks=tuple(marks) if marks else px.DEFAULT_MARKS, **_kv_config(args))
+            config.kv()
             px.run_perplexity(config, px.perplexity_settings(config.marks), out, overwrite=args.overwrite, log=log)
             print((out / "table.md").read_text(encoding="utf-8"))
             return 0
+        if args.kv_bits is not None or args.kv_keep_sinks_full:
+            raise ValueError("--experiment drift compares float16 with float32 KV; --kv-bits goes with recall and "
+                             "perplexity (the quantised drift bound is tests/cache/test_cache_drift.py)")
         policies = _policy_list(args.policy, "omnipick")
         if len(policies) != 1 or (marks and len(marks) != 1):
             raise ValueError("--experiment drift takes one --policy and one --watermarks pair")
@@ -254,6 +260,12 @@ def _run_text_experiment(args) -> int:
     except (GGUFError, RunFolderError, ValueError) as e:
         print(f"omnitide eval study: {e}", file=sys.stderr)
         return 1
+
+
+def _kv_config(args) -> dict:
+    """The study configs' quantised-KV fields from --kv-bits / --kv-group-size / --kv-keep-sinks-full."""
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+            "kv_keep_sinks_full": bool(args.kv_keep_sinks_full)}
 
 
 def _run_table(args) -> int:

@@ -185,12 +185,13 @@ class StreamSetting:
 
 def stream_scores(model, tokenizer, units: list[str], setting: StreamSetting, *, max_tokens: int,
                   kv_dtype=None, system_prompt: str = SYSTEM_PROMPT, context_length: int | None = None,
-                  on_unit=None):
+                  on_unit=None, kv: dict | None = None):
     """Stream ``units`` (until ``max_tokens`` are streamed, or the next unit would pass ``context_length``) through
     a session under ``setting``; score each unit before it is trimmed. Returns ``(scores, session)``."""
     cls = _scoring_session_class()
     m = model if setting.system else _NoSystemModel(model)
-    session = cls((m, tokenizer), system_prompt=system_prompt, policy=setting.policy.build(), kv_dtype=kv_dtype)
+    session = cls((m, tokenizer), system_prompt=system_prompt, policy=setting.policy.build(), kv_dtype=kv_dtype,
+                  **(kv or {}))
     out: list[UnitScore] = []
     streamed = 0
     for i, text in enumerate(units):
@@ -268,12 +269,22 @@ class PerplexityConfig:
     marks: tuple[str, ...] = DEFAULT_MARKS
     keep_marks: tuple[str, ...] | None = None
     plain_marks: tuple[str, ...] | None = None
+    kv_bits: int | None = None  # quantised KV (8 or 4; None: the model's float dtype)
+    kv_group_size: int = 64
+    kv_keep_sinks_full: bool = False
 
     def to_json(self) -> dict:
+        from .study import kv_json
+
         d = asdict(self)
         for k in ("marks", "keep_marks", "plain_marks"):
             d[k] = None if d[k] is None else list(d[k])
-        return d
+        return kv_json(d)
+
+    def kv(self) -> dict:
+        from .study import kv_session_kwargs
+
+        return kv_session_kwargs(self)
 
 
 def window_means(scores: list[dict], window: int) -> list[dict]:
@@ -329,7 +340,7 @@ def run_perplexity(config: PerplexityConfig, settings: list[StreamSetting], out:
             t0 = time.perf_counter()
             limit = context_length if s.policy.name == "full" else None
             scores, session = stream_scores(model[0], model[1], units, s, max_tokens=config.tokens,
-                                            context_length=limit)
+                                            context_length=limit, kv=config.kv())
             rows = [asdict(x) for x in scores]
             items.append("stream", {"scores": rows, "seconds": time.perf_counter() - t0,
                                     "context_length": context_length, "final_cache_tokens":

@@ -191,16 +191,17 @@ class ProbeRecord:
 
 
 def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
-                system_prompt: str = SYSTEM_PROMPT, style: str = "log") -> list[ProbeRecord]:
+                system_prompt: str = SYSTEM_PROMPT, style: str = "log", kv: dict | None = None) -> list[ProbeRecord]:
     """Stream ``episode`` through an OmniSession with ``setting``'s policy; answer its questions by probing.
     ``style="omni"`` lays units out as omni units (:class:`OmniStyleAdapter`); the episode's ``qa_after`` units
-    get a real user question and the model's greedy reply (12 tokens) pushed into the stream."""
+    get a real user question and the model's greedy reply (12 tokens) pushed into the stream. ``kv``: the
+    session's quantised-KV keywords (``kv_bits``, ``kv_group_size``, ``kv_keep_sinks_full``; default float KV)."""
     from ..session import OmniSession
     from .probe import RetentionRecorder, context_unit_ids, probe_logits, question_ids
 
     recorder = RetentionRecorder(setting.build())
     m = _OmniStyleModel(model) if style == "omni" else model
-    session = OmniSession((m, tokenizer), system_prompt=system_prompt, policy=recorder)
+    session = OmniSession((m, tokenizer), system_prompt=system_prompt, policy=recorder, **(kv or {}))
     candidates: dict[str, int] = {}
     for f in episode.facts:
         ids = tokenizer.encode(" " + f.word)
@@ -355,6 +356,25 @@ def render_markdown(summaries: list[SettingSummary], records: dict[str, list[dic
 
 
 # --- the whole study ------------------------------------------------------------------------------------------------
+def kv_json(d: dict) -> dict:
+    """A config's JSON without the quantised-KV keys when the KV is float (run folders made before them stay
+    valid)."""
+    if d.get("kv_bits") is None:
+        for k in ("kv_bits", "kv_group_size", "kv_keep_sinks_full"):
+            d.pop(k, None)
+    return d
+
+
+def kv_session_kwargs(config) -> dict:
+    """OmniSession keywords of a config's quantised KV ({} for float KV)."""
+    if config.kv_bits is None:
+        if config.kv_keep_sinks_full:
+            raise ValueError("--kv-keep-sinks-full goes with --kv-bits")
+        return {}
+    return {"kv_bits": config.kv_bits, "kv_group_size": config.kv_group_size,
+            "kv_keep_sinks_full": config.kv_keep_sinks_full}
+
+
 @dataclass
 class StudyConfig:
     model: str
@@ -366,6 +386,9 @@ class StudyConfig:
     sentences: int = 4
     style: str = "log"  # "omni": units laid out as omni units (tag, frame block, speech)
     qa: bool = False  # a question and the model's reply before each shortest-delay probe
+    kv_bits: int | None = None  # quantised KV (8 or 4; None: the model's float dtype)
+    kv_group_size: int = 64
+    kv_keep_sinks_full: bool = False
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -373,7 +396,10 @@ class StudyConfig:
         if self.style == "log" and not self.qa:  # run folders made before these options stay valid
             d.pop("style")
             d.pop("qa")
-        return d
+        return kv_json(d)
+
+    def kv(self) -> dict:
+        return kv_session_kwargs(self)
 
 
 def run_study(config: StudyConfig, settings: list[PolicySetting], out: str | Path, *, model=None,
@@ -401,7 +427,8 @@ def run_study(config: StudyConfig, settings: list[PolicySetting], out: str | Pat
             item = f"episode-{ep.index}"
             if item not in items.done():
                 t0 = time.perf_counter()
-                rows = [asdict(r) for r in run_episode(model[0], model[1], ep, s, style=config.style)]
+                rows = [asdict(r) for r in run_episode(model[0], model[1], ep, s, style=config.style,
+                                                       kv=config.kv())]
                 items.append(item, {"probes": rows, "seconds": time.perf_counter() - t0})
                 acc = sum(r["correct"] for r in rows) / max(1, len(rows))
                 log(f"{s.key:<34} episode {ep.index}: {acc:6.1%} of {len(rows)} in "

@@ -166,3 +166,34 @@ def test_bad_options_are_rejected():
     c.begin_step(3)
     c.abort_step()  # gives back the step's full-precision rows too
     assert (c._full_slot < 0).all() and (c._full_row < 0).all()
+
+
+@pytest.mark.parametrize("keep_sinks_full", [False, True], ids=["all-quantised", "sinks-full"])
+def test_shrink_gives_back_packed_slots_and_changes_no_output(keep_sinks_full):
+    """A bounded session shrinks its buffers after a trim (engine._trim_capacity): the packed rows, scales, biases,
+    pending key shifts and full-row map shrink together (before, shrink() indexed the [packed, scales, biases] list
+    like an array and raised TypeError), and the cache goes on exactly as an unshrunk copy, evictions included."""
+    policy = OmniPick(high=200, low=140)
+    s = _session(4, keep_sinks_full)
+    c = s.cache
+    twin = copy.copy(s)
+    twin.cache = OmniCache.from_state(c.state, c.meta_state)
+    twin.history, twin.alive, twin.pos = copy.deepcopy(s.history), list(s.alive), dict(s.pos)
+    span = c.layout_stats().physical_span
+    assert c.capacity > span  # room to give back
+    c.shrink(span)
+    assert c.capacity < twin.cache.capacity
+    for layer in c.layers:
+        assert all(a.shape[2] == c.capacity for a in layer.keys + layer.values)
+    assert c._shift.shape == (c.capacity,) and c._full_row.shape == (c.capacity,)
+    s.outputs, twin.outputs = [], []
+    rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
+    for _ in range(5):
+        s.add_unit(UnitKind.MEDIA, media_runs(rng_a), check_oracle=False)
+        twin.add_unit(UnitKind.MEDIA, media_runs(rng_b), check_oracle=False)
+        s.maintain(policy)
+        twin.maintain(policy)
+    assert s.cache.evictions > 0
+    for x, y in zip(s.outputs, twin.outputs):
+        for a, b in zip(x, y):
+            np.testing.assert_array_equal(a, b)

@@ -147,3 +147,55 @@ def test_perplexity_and_drift_commands_end_to_end(tiny_path, tmp_path):
     for c in doc["checkpoints"]:
         assert abs(c["nll_float16"] - c["nll_float32"]) / c["scored"] < 0.05
     assert "| 15 |" in (out / "drift.md").read_text()
+
+
+def test_perplexity_over_a_quantised_kv_cache(tmp_path):
+    """--kv-bits runs the same streams over a quantised OmniCache: the run records it, the sessions hold packed
+    K/V (so the NLL moves, a little at 8 bits, more at 4), and a float run's folder is not resumed into."""
+    path = write_tiny_gguf(tmp_path / "hd32.gguf", seed=3, heads=2, kv_heads=1)  # head_dim 32: a group fits
+    base = ["eval", "study", "--experiment", "perplexity", "--gguf", str(path), "--tokens", "600",
+            "--watermarks", "300/200"]
+    res = {}
+    for name, extra in (("fp", []), ("kv8", ["--kv-bits", "8", "--kv-group-size", "32"]),
+                        ("kv4", ["--kv-bits", "4", "--kv-group-size", "32"])):
+        assert main(base + extra + ["--out", str(tmp_path / name)]) == 0
+        doc = json.loads((tmp_path / name / "results.json").read_text())
+        res[name] = doc
+    assert "kv_bits" not in res["fp"]["config"]  # float runs keep the old config (old folders stay valid)
+    assert res["kv4"]["config"]["kv_bits"] == 4 and res["kv4"]["config"]["kv_group_size"] == 32
+    for key, r in res["fp"]["results"].items():
+        d8 = abs(res["kv8"]["results"][key]["nll"] - r["nll"])
+        d4 = abs(res["kv4"]["results"][key]["nll"] - r["nll"])
+        assert res["kv4"]["results"][key]["evictions"] == r["evictions"]
+        assert d8 < 0.05 and d4 < 0.5, (key, d8, d4)
+    assert any(abs(res["kv4"]["results"][k]["nll"] - r["nll"]) > 1e-6 for k, r in res["fp"]["results"].items())
+    # the float folder is not resumed into by a quantised run
+    assert main(base + ["--kv-bits", "4", "--kv-group-size", "32", "--out", str(tmp_path / "fp")]) == 1
+    assert main(base + ["--kv-keep-sinks-full", "--out", str(tmp_path / "x")]) == 1
+    assert main(["eval", "study", "--experiment", "drift", "--gguf", str(path), "--kv-bits", "4",
+                 "--out", str(tmp_path / "d")]) == 1
+
+
+def test_recall_episode_over_a_quantised_kv_cache(tmp_path, monkeypatch):
+    """The recall study's sessions take the quantised-KV keywords (StudyConfig.kv())."""
+    from omnitide_mlx import session as session_mod
+    from omnitide_mlx.eval import study
+
+    seen = []
+
+    class Recording(session_mod.OmniSession):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            seen.append(self.cache.kv_bits)
+
+    path = write_tiny_gguf(tmp_path / "hd32.gguf", seed=3, heads=2, kv_heads=1)
+    model, tok = load_gguf(path)
+    cfg = study.StudyConfig(model=str(path), kv_bits=4, kv_group_size=32)
+    assert cfg.to_json()["kv_bits"] == 4 and "kv_bits" not in study.StudyConfig(model="m").to_json()
+    monkeypatch.setattr(session_mod, "OmniSession", Recording)
+    ep = study.make_episode(0, seed=0, units=4, facts=1)
+    try:
+        study.run_episode(model, tok, ep, expand_settings(["full"], None)[0], kv=cfg.kv())
+    except ValueError:  # a fact word longer than one token of the tiny vocabulary: the session exists already
+        pass
+    assert seen == [4]
