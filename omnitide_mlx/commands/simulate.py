@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent-count", choices=["media", "all"], default=None,
                    help="OmniPick: what --recent-units counts: media units, with the questions and replies after "
                         "them kept whole too (default), or every unit (the rule before issue 12)")
+    p.add_argument("--leftover", default=None, metavar="KINDS",
+                   help="OmniPick: give the budget left under --low to older units' spans of these kinds, in order "
+                        "(e.g. audio+text; kinds: audio, text, image, slice; default off: the paper's section 5.1 "
+                        "steps)")
     from .options import add_media_arguments
 
     add_media_arguments(p)
@@ -86,13 +90,13 @@ def run(args: argparse.Namespace) -> int:
         kw = {k: v for k, v in (("high", args.high), ("low", args.low), ("recent_units", args.recent_units),
                                 ("image_sink", args.image_sink), ("audio_sink", args.audio_sink),
                                 ("slice_sink", args.slice_sink), ("text_budget", args.text_budget),
-                                ("recent_count", args.recent_count))
+                                ("recent_count", args.recent_count), ("leftover", args.leftover))
               if v is not None}
         if "high" in kw and "low" not in kw:
             kw["low"] = min(kw["high"], profile.low)
         if "low" in kw and "high" not in kw:
             kw["high"] = max(kw["low"], profile.high)
-        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget", "recent_count"}
+        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget", "recent_count", "leftover"}
         if args.policy not in ("omnitide", "omnipick", "eager") and knobs & set(kw):
             print(f"error: {sorted(knobs & set(kw))} apply to omnipick / omnitide / eager only", file=sys.stderr)
             return 2

@@ -87,6 +87,30 @@ def check_model(args) -> None:
     resolve_model_path(args.model)
 
 
+def check_kv_budget(args, media, asks: bool = False) -> None:
+    """``--kv-budget`` against what the stream needs, from the checkpoint's files alone (config.json, the
+    safetensors headers, the model's unit layout at the video's frame size): a budget that cannot hold the system
+    prompt next to one media unit (or, with questions, a reply of --max-tokens) is a UsageError before the model
+    loads. (The torch backend, which must not import the MLX port's modules, checks after loading.)"""
+    if getattr(args, "kv_budget", None) is None or getattr(args, "backend", "mlx") == "torch":
+        return
+    from ..engine import REPLY_CLOSING_RESERVE
+    from ..models.budget import budget_problem, kv_need
+    from ..models.loading import resolve_model_path
+
+    info = media.video_info
+    need = kv_need(resolve_model_path(args.model), media=media_setting(args) if hasattr(args, "preset") else None,
+                   frame_size=(info.width, info.height) if info is not None else None, frame=info is not None,
+                   audio=media.audio_path is not None, kv_bits=getattr(args, "kv_bits", None),
+                   kv_group_size=getattr(args, "kv_group_size", 64))
+    if need is None:
+        return
+    reply = args.max_tokens + REPLY_CLOSING_RESERVE if asks else 0
+    problem = budget_problem(args.kv_budget, need, reply_tokens=reply)
+    if problem:
+        raise UsageError(f"--kv-budget: {problem}")
+
+
 @contextlib.contextmanager
 def announce(what: str):
     """``what ...`` then `` done in X s`` on one stderr line; on failure the line is closed first, so the error
@@ -216,8 +240,12 @@ def run(args) -> int:
     try:
         check_model(args)  # a wrong model name fails before any media is decoded
         media = MediaStream(args.video, args.audio, seconds=args.seconds)  # both files checked, nothing decoded
+        check_kv_budget(args, media, asks=bool(questions))  # from the checkpoint's files, before it loads
         session = session_from_args(args, on_update=on_update)
         speaker = SpokenAnswers(session, args, "omnitide stream")
+    except UsageError as e:
+        print(f"omnitide stream: {e}", file=sys.stderr)
+        return 2
     except (MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide stream: {e}", file=sys.stderr)
         return 1
