@@ -40,7 +40,7 @@ from .core.page import AllocClass
 from .core.page import MigrationPlanner
 from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
 from .core.stream_units import MediaSetting, watermark_guard
-from .core.units import History, SpanKind, Unit, UnitKind
+from .core.units import History, Span, SpanKind, Unit, UnitKind
 from .errors import InputTooLargeError, MediaError, RestoreError, SamplingError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
@@ -559,6 +559,38 @@ class StreamingSession:
     def answer(self, question: str, **kwargs) -> str:
         """``ask`` collected into one string."""
         return "".join(self.ask(question, **kwargs))
+
+    def probe_logits(self, ids: list[int]) -> np.ndarray:
+        """Next-token logits (float32 numpy) after ``ids`` appended to the retained history, the session left as
+        it was: the probe's KV slots are freed again by a plan that drops them, and its attention does not count
+        for H2O, so many questions can be asked of one stream state and none of them steers later retention
+        (eval/probe.py, eval/study.py). Queued pushes are processed first, as for ``ask``; with a reply open it
+        raises SessionBusyError (the probe would land inside the reply)."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("a probe needs at least one token")
+        with self._engine():
+            if self._open is not None and not self._open.abandoned:
+                raise SessionBusyError("cannot probe while a reply is open: read it to the end or close() its "
+                                       "iterator first")
+            self._settle_locked()
+            cache, history = self.cache, self.history
+            n, uid = len(ids), history.next_uid()
+            positions = text_positions(history.next_position(), n, self.adapter.kv_spec.position_axes)
+            collect = cache.collect_scores
+            cache.collect_scores = False  # the probe's attention must not count for H2O
+            try:
+                cache.set_owner(uid)
+                logits, _ = self.backend.forward(self.model, cache, self.adapter.embed_tokens(ids), positions)
+                out = self.backend.to_numpy(logits)
+            finally:
+                cache.collect_scores = collect
+            probe = Unit(uid=uid, kind=UnitKind.USER, spans=(Span(SpanKind.TEXT, 0, n),), positions=positions)
+            with_probe = History(list(history) + [probe])
+            keep = np.ones(with_probe.total_tokens, dtype=bool)
+            keep[-n:] = False
+            cache.evict(plan_from_mask(with_probe, keep, "probe"), with_probe)
+            return out
 
     # --- introspection ----------------------------------------------------------------------------------------
     @property
