@@ -12,8 +12,8 @@ a time (a unit's prefill and retention, one decode step), never across a yield: 
 ``flush()`` from any thread (the consumer's own included) queue and run when the reply ends, a new question ends
 the open reply first (a stop button), and a reply's iterator that is closed or dropped ends its reply cleanly.
 
-A backend subclass provides the model calls (``_forward``, ``_sample``), the cache and array persistence; this
-module imports no array framework.
+A backend object (backend.py: the model calls, the cache, sampling and array persistence of one framework) is
+what a session is composed with; this module imports no array framework.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -34,12 +35,12 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .backend import Backend
 from .core.page import AllocClass
 from .core.page import MigrationPlanner
 from .core.pick import RetentionPlan, RetentionPolicy, apply_plan, make_policy, plan_from_mask
-from .core.sim import make_layout
 from .core.stream_units import MediaSetting, watermark_guard
-from .core.units import History, SpanKind, Unit, UnitKind
+from .core.units import History, Span, SpanKind, Unit, UnitKind
 from .errors import InputTooLargeError, MediaError, RestoreError, SamplingError, SessionBusyError, SessionError
 from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import PreparedUnit, StreamAdapter, spans_from_runs, text_positions
@@ -284,44 +285,77 @@ def kv_budget_bytes(value, check_memory: bool = True) -> int:
     return budget
 
 
+def _check_budget_args(policy, high, low, kv_budget) -> int | None:
+    """The KV budget in bytes (None without one), its combination with the policy arguments checked."""
+    budget = kv_budget_bytes(kv_budget) if kv_budget is not None else None
+    if budget is not None:
+        if high is not None:
+            raise ValueError("kv_budget sets the high watermark: give kv_budget (and optionally low) or high / low")
+        name = policy if isinstance(policy, str) or policy is None else policy_from(policy).name
+        if policy_from(name).name == "full":
+            raise ValueError("policy 'full' never evicts, so it cannot stay under a kv_budget; give it high / low "
+                             "or choose an evicting policy")
+        if low is not None and not isinstance(policy, (str, type(None))):
+            raise ValueError("low= goes with a policy name; with a policy instance, kv_budget sets both watermarks")
+        if low is not None:
+            _watermark("low", low)
+    return budget
+
+
+@dataclass
+class _Saved:
+    """A saved session being restored: its folder and checked JSON (``restore`` hands it to ``__init__``)."""
+
+    path: Path
+    meta: dict
+
+    @property
+    def file(self) -> Path:
+        return self.path / "session.json"
+
+    def media(self) -> MediaSetting | None:
+        """The media setting the session streamed at (format-2 files from before it was recorded: the default)."""
+        try:
+            media = self.meta.get("media")
+            return None if not media else MediaSetting(
+                frame_size=tuple(media["frame_size"]) if media.get("frame_size") else None,
+                max_pixels=media.get("max_pixels"), max_slice_nums=media.get("max_slice_nums"),
+                audio_seconds=float(media.get("audio_seconds", 1.0)), name=str(media.get("name", "default")))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"{self.file} records a malformed media setting: {type(e).__name__}: {e}") from e
+
+
 class StreamingSession:
     """Push media, ask questions, bounded KV: the engine, independent of the array framework.
 
-    Subclasses implement ``_load_model``, ``_default_kv_dtype``, ``_make_cache``, ``_load_cache``, ``_forward``,
-    ``_eval``, ``_sampler``, ``_save_arrays`` and ``_load_arrays``.
+    A session is composed of a ``backend`` (:class:`~omnitide_mlx.backend.Backend`: the model calls, the cache,
+    sampling and array I/O of one framework); ``OmniSession`` (MLX) and ``TorchSession`` (PyTorch) are this class
+    with their backend. ``__init__`` builds a new session and, given a saved one (``restore``), that session:
+    one setup path for both.
     """
 
-    backend = "none"
-    QUANTISED_KV = False  # whether the backend's cache can hold quantised K/V (kv_bits)
-
-    def __init__(self, model, processor=None, *, system_prompt: str | None = None,
+    def __init__(self, model, processor=None, *, backend: Backend, system_prompt: str | None = None,
                  policy: RetentionPolicy | str | None = "omnitide", high: int | None = None, low: int | None = None,
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
                  on_update: Callable[[UpdateRecord], None] | None = None, media: MediaSetting | None = None,
-                 kv_bits: int | None = None, kv_group_size: int = 64, kv_keep_sinks_full: bool = False):
+                 kv_bits: int | None = None, kv_group_size: int = 64, kv_keep_sinks_full: bool = False,
+                 _saved: _Saved | None = None):
         """``media``: the media setting (frame size, ``max_pixels`` / ``max_slice_nums``; ``get_preset("paper")``)
         the adapter lays units out at (default: the official long-video processing). A named policy with no
-        ``high`` / ``low`` / ``kv_budget`` gets the model's own watermarks (core/profiles.py, paper figure 14)."""
-        # everything that can be checked without the model is checked before it loads
-        self.kv_quant = self._check_kv_quant(kv_bits, kv_group_size, kv_keep_sinks_full)
-        budget = kv_budget_bytes(kv_budget) if kv_budget is not None else None
-        if budget is not None:
-            if high is not None:
-                raise ValueError("kv_budget sets the high watermark: give kv_budget (and optionally low) or high / low")
-            name = policy if isinstance(policy, str) or policy is None else policy_from(policy).name
-            if policy_from(name).name == "full":
-                raise ValueError("policy 'full' never evicts, so it cannot stay under a kv_budget; give it high / low "
-                                 "or choose an evicting policy")
-            if low is not None and not isinstance(policy, (str, type(None))):
-                raise ValueError("low= goes with a policy name; with a policy instance, kv_budget sets both watermarks")
-            if low is not None:
-                _watermark("low", low)
+        ``high`` / ``low`` / ``kv_budget`` gets the model's own watermarks (core/profiles.py, paper figure 14).
+        ``_saved`` (from ``restore``): the saved session to continue; its settings replace the arguments."""
+        self.backend = backend
+        if _saved is None:  # everything that can be checked without the model is checked before it loads
+            self.kv_quant = self._check_kv_quant(kv_bits, kv_group_size, kv_keep_sinks_full)
+            budget = _check_budget_args(policy, high, low, kv_budget)
+            if budget is None:
+                self.policy = policy_from(policy, high, low)
         else:
-            self.policy = policy_from(policy, high, low)
-        self.model_path = None
+            media = _saved.media()
+        self.model_path = _saved.meta.get("model_path") if _saved is not None else None
         if isinstance(model, (str, os.PathLike)):
             self.model_path = _model_ref(model)
-            model, processor = self._load_model(model)
+            model, processor = backend.load_model(model)
         elif isinstance(model, tuple):
             model, processor = model
         self.model, self.processor = model, processor
@@ -329,35 +363,45 @@ class StreamingSession:
         self.adapter: StreamAdapter = (model.stream_adapter(processor) if media is None
                                        else model.stream_adapter(processor, media=media))
         spec = self.adapter.kv_spec
+        if _saved is not None:
+            _check_model(_saved.file, _saved.meta.get("model"), model, spec)
         self.profile = profile_for_spec(spec)
-        if self.profile is not None and budget is None and high is None and low is None \
-                and not isinstance(policy, RetentionPolicy):
-            self.policy = policy_from(policy, self.profile.high, self.profile.low)
-        self.kv_dtype = kv_dtype or self._default_kv_dtype(model)
-        self.kv_budget = budget
-        if budget is not None:
-            bh, bl = watermarks_for_budget(budget, self._kv_bytes_per_token(spec), page_size=page_size, low=low)
-            if isinstance(policy, RetentionPolicy):  # applied, not ignored: a copy with the budget's watermarks
-                self.policy = copy.copy(policy)
-                self.policy.high, self.policy.low = bh, bl
-            else:
-                self.policy = policy_from(policy, bh, bl)
-        self.system_prompt = system_prompt
         self.on_update = on_update
-        table, self.planner = make_layout(self.policy.layout, page_size, subblock_size)
-        self.cache = self._make_cache(spec, placement=table.placement, page_size=page_size,
-                                      subblock_size=subblock_size, collect_scores=self.policy.needs_scores)
-        self._apply_budget()
-        self.history = History()
-        self.counters = SessionCounters()
-        self.records: list[UpdateRecord] = []
-        self._init_stream_state()
-        with self._lock:
-            system = self.adapter.system_unit(system_prompt, 0)
-            self._check_size(system)
-            self._prefill(system, AllocClass.MUST_KEEP)
         self.warnings: list[str] = []
-        self._guard_watermarks(system.length)
+        if _saved is None:
+            if self.profile is not None and budget is None and high is None and low is None \
+                    and not isinstance(policy, RetentionPolicy):
+                self.policy = policy_from(policy, self.profile.high, self.profile.low)
+            self.kv_dtype = kv_dtype or backend.default_kv_dtype(model)
+            self.kv_budget = budget
+            if budget is not None:
+                bh, bl = watermarks_for_budget(budget, backend.kv_bytes_per_token(spec, self.kv_dtype, self.kv_quant),
+                                               page_size=page_size, low=low)
+                if isinstance(policy, RetentionPolicy):  # applied, not ignored: a copy with the budget's watermarks
+                    self.policy = copy.copy(policy)
+                    self.policy.high, self.policy.low = bh, bl
+                else:
+                    self.policy = policy_from(policy, bh, bl)
+            self.system_prompt = system_prompt
+            table, self.planner = backend.layout(self.policy.layout, page_size, subblock_size)
+            self.cache = backend.make_cache(model, spec, dtype=self.kv_dtype, placement=table.placement,
+                                            page_size=page_size, subblock_size=subblock_size,
+                                            collect_scores=self.policy.needs_scores, kv_quant=self.kv_quant)
+            self.history = History()
+            self.counters = SessionCounters()
+            self.records: list[UpdateRecord] = []
+        else:
+            self._load_saved(_saved)
+        self._apply_budget()
+        self._init_stream_state()
+        if _saved is None:
+            with self._lock:
+                system = self.adapter.system_unit(system_prompt, 0)
+                self._check_size(system)
+                self._prefill(system, AllocClass.MUST_KEEP)
+            self._guard_watermarks(system.length)
+        else:
+            self._load_saved_stream(_saved)
 
     def stream_units(self):
         """The media unit this session's adapter builds (a StreamUnits record), or None for text-only models."""
@@ -375,7 +419,7 @@ class StreamingSession:
                               recent_units=recent)
         if msg:
             self.warnings.append(msg)
-            warnings.warn(msg, RetentionWarning, stacklevel=3)
+            warnings.warn(msg, RetentionWarning, stacklevel=_caller_level())
 
     def _apply_budget(self) -> None:
         self._max_slots = (budget_slots(self.kv_budget, self.cache.bytes_per_token, self.cache.table.page_size)
@@ -387,6 +431,7 @@ class StreamingSession:
         self._holder: int | None = None  # the thread holding it (a call from that thread would wait for itself)
         self._open: _Reply | None = None  # the reply being decoded; units wait for it to end
         self._capture_hidden = False  # keep the last forward's hidden states (a reply with on_forward)
+        self._hidden = None  # those hidden states
         self._flush_requested = False
         self._inbox_lock = threading.Lock()
         self._inbox: deque[_Pending] = deque()
@@ -410,47 +455,23 @@ class StreamingSession:
             raise ValueError(f"kv_bits must be 8 or 4, got {bits!r}")
         if group_size not in (32, 64, 128):
             raise ValueError(f"kv_group_size must be 32, 64 or 128, got {group_size!r}")
-        if not self.QUANTISED_KV:
-            raise ValueError(f"the {self.backend} backend holds float K/V only (kv_bits is MLX's)")
+        if not self.backend.quantised_kv:
+            raise ValueError(f"the {self.backend.name} backend holds float K/V only (kv_bits is MLX's)")
         return {"kv_bits": int(bits), "kv_group_size": int(group_size), "keep_sinks_full": bool(keep_sinks_full)}
 
-    def _kv_bytes_per_token(self, spec) -> int:
-        return spec.bytes_per_token(self.kv_dtype)
-
-    # --- backend hooks ------------------------------------------------------------------------------------------
-    def _load_model(self, path) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    def _default_kv_dtype(self, model):
-        raise NotImplementedError
-
-    def _make_cache(self, spec, *, placement: str, page_size: int, subblock_size: int, collect_scores: bool):
-        raise NotImplementedError
-
-    def _load_cache(self, path: Path):
-        raise NotImplementedError
-
+    # --- the backend's steps, as the engine takes them ---------------------------------------------------------
     def _forward(self, embeds, positions: np.ndarray):
-        """Prefill ``embeds`` ``[T, hidden]`` at ``positions`` ``[axes, T]``; return the last token's logits."""
-        raise NotImplementedError
-
-    def _eval(self, *arrays) -> None:
-        raise NotImplementedError
+        """Prefill ``embeds`` ``[T, hidden]`` at ``positions`` ``[axes, T]``; return the last token's logits (and
+        keep the hidden states while ``_capture_hidden`` is set)."""
+        logits, hidden = self.backend.forward(self.model, self.cache, embeds, positions, hidden=self._capture_hidden)
+        if self._capture_hidden:
+            self._hidden = hidden
+        return logits
 
     def _captured_hidden(self):
         """The final-norm hidden states ``[T, hidden]`` of the last ``_forward`` while ``_capture_hidden`` is set
         (None from a backend that does not keep them)."""
-        return None
-
-    def _sampler(self, sampling: Sampling) -> Callable[[Any, list[int]], int]:
-        """A function ``(logits, generated ids) -> next id``."""
-        raise NotImplementedError
-
-    def _save_arrays(self, path: Path, arrays: dict) -> None:
-        raise NotImplementedError
-
-    def _load_arrays(self, path: Path) -> dict:
-        raise NotImplementedError
+        return self._hidden if self._capture_hidden else None
 
     # --- producer side --------------------------------------------------------------------------------------
     def push(self, frame=None, audio=None, text: str | None = None, t: float | None = None,
@@ -539,6 +560,38 @@ class StreamingSession:
         """``ask`` collected into one string."""
         return "".join(self.ask(question, **kwargs))
 
+    def probe_logits(self, ids: list[int]) -> np.ndarray:
+        """Next-token logits (float32 numpy) after ``ids`` appended to the retained history, the session left as
+        it was: the probe's KV slots are freed again by a plan that drops them, and its attention does not count
+        for H2O, so many questions can be asked of one stream state and none of them steers later retention
+        (eval/probe.py, eval/study.py). Queued pushes are processed first, as for ``ask``; with a reply open it
+        raises SessionBusyError (the probe would land inside the reply)."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("a probe needs at least one token")
+        with self._engine():
+            if self._open is not None and not self._open.abandoned:
+                raise SessionBusyError("cannot probe while a reply is open: read it to the end or close() its "
+                                       "iterator first")
+            self._settle_locked()
+            cache, history = self.cache, self.history
+            n, uid = len(ids), history.next_uid()
+            positions = text_positions(history.next_position(), n, self.adapter.kv_spec.position_axes)
+            collect = cache.collect_scores
+            cache.collect_scores = False  # the probe's attention must not count for H2O
+            try:
+                cache.set_owner(uid)
+                logits, _ = self.backend.forward(self.model, cache, self.adapter.embed_tokens(ids), positions)
+                out = self.backend.to_numpy(logits)
+            finally:
+                cache.collect_scores = collect
+            probe = Unit(uid=uid, kind=UnitKind.USER, spans=(Span(SpanKind.TEXT, 0, n),), positions=positions)
+            with_probe = History(list(history) + [probe])
+            keep = np.ones(with_probe.total_tokens, dtype=bool)
+            keep[-n:] = False
+            cache.evict(plan_from_mask(with_probe, keep, "probe"), with_probe)
+            return out
+
     # --- introspection ----------------------------------------------------------------------------------------
     @property
     def queued(self) -> int:
@@ -551,7 +604,7 @@ class StreamingSession:
             layout = self.cache.layout_stats()
             c = self.counters
             return {
-                "backend": self.backend,
+                "backend": self.backend.name,
                 "policy": self.policy.name,
                 "layout": self.policy.layout,
                 "high": self.policy.high,
@@ -631,11 +684,11 @@ class StreamingSession:
         if self._last_logits is not None:
             arrays["session.last_logits"] = self._last_logits
         if arrays:
-            self._save_arrays(path / "session.safetensors", arrays)
+            self.backend.save_arrays(path / "session.safetensors", arrays)
         spec = self.adapter.kv_spec
         meta = {
             "format": SESSION_FORMAT,
-            "backend": self.backend,
+            "backend": self.backend.name,
             "model_path": _model_ref(self.model_path) if self.model_path else None,
             "model": {"family": model_family(self.model), "num_layers": spec.num_layers, "kv_heads": spec.kv_heads,
                       "head_dim": spec.head_dim, "position_axes": spec.position_axes},
@@ -643,7 +696,7 @@ class StreamingSession:
             "media": self.media.to_json() if self.media is not None else None,
             "policy": self.policy.config(),
             "kv_budget": self.kv_budget,
-            "kv_dtype": str(self.kv_dtype).split(".")[-1],
+            "kv_dtype": self.backend.dtype_name(self.kv_dtype),
             "history": self.history.to_json(),
             "adapter": meta_adapter,
             "arrays": sorted(arrays),
@@ -682,38 +735,23 @@ class StreamingSession:
 
     @classmethod
     def restore(cls, path: str | os.PathLike, model=None, processor=None,
-                on_update: Callable[[UpdateRecord], None] | None = None):
+                on_update: Callable[[UpdateRecord], None] | None = None, **kwargs):
         """Load a session written by ``save``. ``model`` defaults to the model the session was created from (its
         absolute path, or Hub id). Every problem with the saved files raises RestoreError naming the file; a
-        model of another family or shape than the saved one raises it too, before any state is built."""
-        path = Path(path)
-        meta = cls.read_meta(path)
-        file = path / "session.json"
-        self = cls.__new__(cls)
+        model of another family or shape than the saved one raises it too, before any state is built.
+        ``kwargs`` go to the constructor (``backend=`` for this class; a subclass's own options)."""
+        saved = _Saved(Path(path), cls.read_meta(path))
         if model is None:
-            if not meta.get("model_path"):
-                raise RestoreError(f"{file} does not record its model; pass model=")
-            model = meta["model_path"]
-        self.model_path = _model_ref(model) if isinstance(model, (str, os.PathLike)) else meta.get("model_path")
-        if isinstance(model, (str, os.PathLike)):
-            model, processor = self._load_model(model)
-        elif isinstance(model, tuple):
-            model, processor = model
-        self.model, self.processor = model, processor
-        try:  # the media setting the session streamed at (format-2 files before it was recorded: the default)
-            media = meta.get("media")
-            self.media = None if not media else MediaSetting(
-                frame_size=tuple(media["frame_size"]) if media.get("frame_size") else None,
-                max_pixels=media.get("max_pixels"), max_slice_nums=media.get("max_slice_nums"),
-                audio_seconds=float(media.get("audio_seconds", 1.0)), name=str(media.get("name", "default")))
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise RestoreError(f"{file} records a malformed media setting: {type(e).__name__}: {e}") from e
-        self.adapter = (model.stream_adapter(processor) if self.media is None
-                        else model.stream_adapter(processor, media=self.media))
-        _check_model(file, meta.get("model"), model, self.adapter.kv_spec)
-        self.profile = profile_for_spec(self.adapter.kv_spec)
+            if not saved.meta.get("model_path"):
+                raise RestoreError(f"{saved.file} does not record its model; pass model=")
+            model = saved.meta["model_path"]
+        return cls(model, processor, on_update=on_update, _saved=saved, **kwargs)
+
+    def _load_saved(self, saved: _Saved) -> None:
+        """The saved settings, history, counters and cache (``__init__`` of a restored session)."""
+        meta, file = saved.meta, saved.file
         try:
-            self.kv_dtype = self._dtype_from_name(meta["kv_dtype"])
+            self.kv_dtype = self.backend.dtype_from_name(meta["kv_dtype"])
             cfg = dict(meta["policy"])
             self.policy = make_policy(cfg.pop("name"), **cfg)
             self.history = History.from_json(meta["history"])
@@ -722,13 +760,11 @@ class StreamingSession:
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise RestoreError(f"{file} is malformed: {type(e).__name__}: {e}") from e
         self.system_prompt = meta.get("system_prompt")
-        self.on_update = on_update
-        self.warnings = []
-        kv_file = path / "kv.safetensors"
+        kv_file = saved.path / "kv.safetensors"
         if not kv_file.is_file():
             raise RestoreError(f"{kv_file} is missing: the saved session has no KV cache")
         try:
-            self.cache = self._load_cache(kv_file)
+            self.cache = self.backend.load_cache(self.model, kv_file)
         except Exception as e:  # safetensors, MLX and CacheError all say it differently
             raise RestoreError(f"{kv_file} cannot be read (truncated or corrupted?): {e}") from e
         spec = self.adapter.kv_spec
@@ -741,15 +777,20 @@ class StreamingSession:
             self.cache.page_table.check_history(self.history)
         except ValueError as e:
             raise RestoreError(f"{kv_file} and {file} disagree (files from different saves?): {e}") from e
+        q = self.cache.meta_state.get("kv_quant")
+        self.kv_quant = {} if not q else {"kv_bits": q["bits"], "kv_group_size": q["group_size"],
+                                          "keep_sinks_full": q["keep_sinks_full"]}
         self.kv_budget = meta.get("kv_budget")
-        self._apply_budget()
-        _, self.planner = make_layout(self.policy.layout, self.cache.page_table.page_size,
-                                      self.cache.page_table.subblock_size)
-        self._init_stream_state()
-        arrays_file = path / "session.safetensors"
+        table = self.cache.page_table
+        _, self.planner = self.backend.layout(self.policy.layout, table.page_size, table.subblock_size)
+
+    def _load_saved_stream(self, saved: _Saved) -> None:
+        """The saved buffered input, last logits and adapter state (``__init__`` of a restored session)."""
+        meta, file = saved.meta, saved.file
+        arrays_file = saved.path / "session.safetensors"
         want = set(meta.get("arrays", []))
         try:
-            arrays = self._load_arrays(arrays_file) if arrays_file.exists() else {}
+            arrays = self.backend.load_arrays(arrays_file) if arrays_file.exists() else {}
         except Exception as e:
             raise RestoreError(f"{arrays_file} cannot be read (truncated or corrupted?): {e}") from e
         if want - set(arrays):
@@ -773,10 +814,6 @@ class StreamingSession:
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise RestoreError(f"{arrays_file} or the adapter state in {file} is malformed: "
                                f"{type(e).__name__}: {e}") from e
-        return self
-
-    def _dtype_from_name(self, name: str):
-        raise NotImplementedError
 
     # --- engine (lock held) -----------------------------------------------------------------------------------
     @contextmanager
@@ -1043,7 +1080,7 @@ class StreamingSession:
         t0 = time.perf_counter()
         self.cache.set_owner(uid, alloc_class)
         logits = self._forward(prepared.inputs_embeds, prepared.positions)
-        self._eval(logits)
+        self.backend.eval(logits)
         self.counters.prefill_ms += (time.perf_counter() - t0) * 1000
         self.history.append(unit)
         self.counters.units += 1
@@ -1106,7 +1143,7 @@ class StreamingSession:
         if r.on_forward is not None:
             r.on_forward(prepared.input_ids, prepared.inputs_embeds, self._captured_hidden())
         r.logits = self._last_logits
-        r.sample = self._sampler(r.sampling)
+        r.sample = self.backend.sampler(r.sampling)
         r.uid = self.history.next_uid()
         r.start = self.history.next_position()
         self.cache.set_owner(r.uid, AllocClass.RECENT_CONTEXT)
@@ -1161,7 +1198,7 @@ class StreamingSession:
         logits = r.logits
         if closing:
             logits = self._forward(self.adapter.embed_tokens(closing), text_positions(r.start + fed, len(closing), axes))
-        self._eval(logits)
+        self.backend.eval(logits)
         self._last_logits = logits
         self.counters.decode_ms += (time.perf_counter() - t0) * 1000
         if fed + len(closing):
@@ -1223,6 +1260,16 @@ def _model_ref(model) -> str:
     looked up on the Hub when restored from another folder), anything else (a Hub id) as given."""
     p = Path(os.fspath(model)).expanduser()
     return str(p.resolve()) if p.exists() else os.fspath(model)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's line, however
+    many of the package's constructors are in between), counted from the function that warns."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_time(t) -> float | None:

@@ -6,7 +6,7 @@
         print(piece, end="")
 
 The streaming logic (units, retention, replies, threads, persistence) is in engine.py; this module supplies the
-MLX pieces: the OmniCache, the model call, mlx-lm's samplers and safetensors through MLX.
+MLX backend (backend.py's protocol): the OmniCache, the model call, mlx-lm's samplers and safetensors through MLX.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import OmniCache
+from .core.layout import make_layout
 from .engine import (  # noqa: F401  (re-exported for users of the session API)
     Sampling,
     SessionCounters,
@@ -46,23 +47,18 @@ def keep_cpu_buffers(limit: int = CPU_BUFFER_CACHE_BYTES) -> None:
         mx.set_cache_limit(previous)
 
 
-class OmniSession(StreamingSession):
-    """A streaming session over one MLX model: push media, ask questions, bounded KV.
+class MlxBackend:
+    """The MLX backend (backend.py's protocol): the MLX ports, the OmniCache, mlx-lm's samplers, MLX safetensors."""
 
-    ``model`` is a loaded model, a ``(model, processor)`` pair, or a local path / Hugging Face id. ``policy`` is a
-    policy object (``OmniTide(high=2500, low=1800)``) or its name; ``kv_budget`` (bytes or ``"512MiB"``) sets
-    the watermarks from the model's KV bytes per token instead.
-    """
+    name = "mlx"
+    quantised_kv = True
 
-    backend = "mlx"
-    QUANTISED_KV = True
-
-    def _load_model(self, path):
+    def load_model(self, path):
         from .models import load
 
         return load(path)
 
-    def _default_kv_dtype(self, model) -> mx.Dtype:
+    def default_kv_dtype(self, model) -> mx.Dtype:
         """The activation dtype: ``model.dtype`` when the port has it, else the first floating parameter's (never
         a quantised weight's uint32)."""
         dtype = getattr(model, "dtype", None)
@@ -75,36 +71,83 @@ class OmniSession(StreamingSession):
                 return p.dtype
         return mx.float32
 
-    def _dtype_from_name(self, name: str) -> mx.Dtype:
+    def dtype_from_name(self, name: str) -> mx.Dtype:
         return getattr(mx, name)
 
-    def _make_cache(self, spec, *, placement, page_size, subblock_size, collect_scores) -> OmniCache:
-        keep_cpu_buffers()  # every session creates (or, in _load_cache, loads) its cache once
-        return OmniCache.for_spec(spec, dtype=self.kv_dtype, page_size=page_size, subblock_size=subblock_size,
-                                  placement=placement, collect_scores=collect_scores, **self.kv_quant)
+    def dtype_name(self, dtype) -> str:
+        return str(dtype).split(".")[-1]
 
-    def _kv_bytes_per_token(self, spec) -> int:
-        if not self.kv_quant:
-            return super()._kv_bytes_per_token(spec)
-        return OmniCache.for_spec(spec, dtype=self.kv_dtype, **self.kv_quant).bytes_per_token
+    def layout(self, name: str, page_size: int, subblock_size: int):
+        return make_layout(name, page_size, subblock_size)
 
-    def _load_cache(self, path: Path) -> OmniCache:
+    def kv_bytes_per_token(self, spec, dtype, kv_quant: dict) -> int:
+        if not kv_quant:
+            return spec.bytes_per_token(dtype)
+        return OmniCache.for_spec(spec, dtype=dtype, **kv_quant).bytes_per_token
+
+    def make_cache(self, model, spec, *, dtype, placement, page_size, subblock_size, collect_scores,
+                   kv_quant) -> OmniCache:
+        keep_cpu_buffers()  # every session creates (or, in load_cache, loads) its cache once
+        return OmniCache.for_spec(spec, dtype=dtype, page_size=page_size, subblock_size=subblock_size,
+                                  placement=placement, collect_scores=collect_scores, **kv_quant)
+
+    def load_cache(self, model, path: Path) -> OmniCache:
         keep_cpu_buffers()
         return OmniCache.load(path)
 
-    def _forward(self, embeds: mx.array, positions: np.ndarray) -> mx.array:
+    def forward(self, model, cache, embeds: mx.array, positions: np.ndarray, *, hidden: bool = False):
         pos = mx.array(positions if positions.shape[0] > 1 else positions[0])
-        lm = self.model.language_model
-        if self._capture_hidden:  # a spoken reply: the talker reads these (same logits as the path below)
-            hidden = lm.hidden_states(embeds[None], self.cache, pos)
-            self._hidden = hidden[0]
-            out = lm.logits(hidden[:, -1:])[0, -1]
-            mx.async_eval(out, self._hidden)
-            return out
-        logits = lm(embeds[None], self.cache, pos, last_only=True)
-        out = logits[0, -1]
+        lm = model.language_model
+        if hidden:  # a spoken reply: the talker reads these (same logits as the path below)
+            states = lm.hidden_states(embeds[None], cache, pos)
+            out = lm.logits(states[:, -1:])[0, -1]
+            mx.async_eval(out, states[0])
+            return out, states[0]
+        out = lm(embeds[None], cache, pos, last_only=True)[0, -1]
         mx.async_eval(out)
-        return out
+        return out, None
+
+    def eval(self, *arrays) -> None:
+        mx.eval(*[a for a in arrays if a is not None])
+
+    def sampler(self, sampling):
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        sampler = make_sampler(temp=sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
+        processors = (make_logits_processors(repetition_penalty=sampling.repetition_penalty)
+                      if sampling.repetition_penalty else [])
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+
+        def sample(logits: mx.array, generated: list[int]) -> int:
+            lg = logits[None]
+            for p in processors:
+                lg = p(mx.array(generated, dtype=mx.int32), lg)
+            return int(sampler(lg - mx.logsumexp(lg, axis=-1, keepdims=True)).item())
+
+        return sample
+
+    def to_numpy(self, array) -> np.ndarray:
+        return np.array(array.astype(mx.float32))
+
+    def save_arrays(self, path: Path, arrays: dict) -> None:
+        mx.save_safetensors(str(path), {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in arrays.items()})
+
+    def load_arrays(self, path: Path) -> dict:
+        return dict(mx.load(str(path)))
+
+
+class OmniSession(StreamingSession):
+    """A streaming session over one MLX model: push media, ask questions, bounded KV.
+
+    ``model`` is a loaded model, a ``(model, processor)`` pair, or a local path / Hugging Face id. ``policy`` is a
+    policy object (``OmniTide(high=2500, low=1800)``) or its name; ``kv_budget`` (bytes or ``"512MiB"``) sets
+    the watermarks from the model's KV bytes per token instead. The engine (engine.py) with the MLX backend.
+    """
+
+    def __init__(self, model, processor=None, **kwargs):
+        kwargs.setdefault("backend", MlxBackend())
+        super().__init__(model, processor, **kwargs)
 
     def ask(self, question: str, *, speak: bool = False, speaker: str | None = None, speech=None, **kwargs):
         """The engine's ``ask`` (text pieces); with ``speak=True`` the iterator also yields
@@ -124,32 +167,3 @@ class OmniSession(StreamingSession):
         text_ask = super().ask
         text_ask(question, **kwargs).close()  # validates the question and options the same way, eagerly
         return spoken_reply(self, text_ask, question, model, options, **kwargs)
-
-    def _captured_hidden(self) -> mx.array | None:
-        return getattr(self, "_hidden", None) if self._capture_hidden else None
-
-    def _eval(self, *arrays) -> None:
-        mx.eval(*[a for a in arrays if a is not None])
-
-    def _sampler(self, sampling):
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-        sampler = make_sampler(temp=sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
-        processors = (make_logits_processors(repetition_penalty=sampling.repetition_penalty)
-                      if sampling.repetition_penalty else [])
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-
-        def sample(logits: mx.array, generated: list[int]) -> int:
-            lg = logits[None]
-            for p in processors:
-                lg = p(mx.array(generated, dtype=mx.int32), lg)
-            return int(sampler(lg - mx.logsumexp(lg, axis=-1, keepdims=True)).item())
-
-        return sample
-
-    def _save_arrays(self, path: Path, arrays: dict) -> None:
-        mx.save_safetensors(str(path), {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in arrays.items()})
-
-    def _load_arrays(self, path: Path) -> dict:
-        return dict(mx.load(str(path)))

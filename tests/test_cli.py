@@ -250,7 +250,9 @@ def test_media_end_streams_the_rest_and_says_so(tiny_checkpoints, media_dir, tmp
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert [u["t"] for u in d["updates"] if u["kind"] == "media"] == [float(k) for k in range(10)]
-    assert d["media"] == {"units": 10, "video_seconds": 10, "audio_seconds": 1.0, "silence_seconds": 9.0}
+    assert d["media"] == {"units": 10, "video_seconds": 10, "audio_seconds": 1.0, "silence_seconds": 9.0,
+                          "skipped": {"units": 0, "video_seconds": 0, "audio_seconds": 0.0, "silence_seconds": 0.0,
+                                      "reasons": []}}
     assert "streamed 10 s: video 10 s, audio 1.0 s (+ 9.0 s of silence)" in r.stderr
     assert "moov atom" not in r.stderr and "[mov," not in r.stderr
 
@@ -334,3 +336,63 @@ def test_convert_takes_mlx_lms_hf_path_and_shows_each_stage(tiny_checkpoints, tm
     assert r.returncode == 0, r.stderr
     assert "loading" in r.stderr and "quantising and writing 4-bit (group 64) weights" in r.stderr
     assert r.stderr.count(" done in ") == 2 and "wrote 4-bit (group 64) MLX model" in r.stdout
+
+
+@pytest.mark.parametrize("model", ["qwen", "minicpmo"])
+def test_a_kv_budget_too_small_for_one_unit_fails_before_the_model_loads(tiny_checkpoints, media_dir, model):
+    """Before: `--kv-budget` that cannot hold the system prompt next to one media unit was reported after the
+    "loading ..." line (the session's watermarks or its first unit). Now it is checked from the checkpoint's files
+    (KV bytes per token from config.json and the safetensors headers, the unit from the model's layout at the
+    video's frame size) before anything loads; the message says what the budget holds and what it needs."""
+    from omnitide_mlx.media import probe_video
+    from omnitide_mlx.models.budget import kv_need
+
+    ckpt = tiny_checkpoints[model]
+    info = probe_video(media_dir / "video_10s_av.mp4")
+    need = kv_need(ckpt, frame_size=(info.width, info.height))
+    fits = 64 * -(-(64 + need.first_unit_tokens) // 64)  # the system prompt's page and one unit, in whole pages
+    base = ["stream", "--model", ckpt, "--video", media_dir / "video_10s_av.mp4", "--seconds", 2, "--no-progress"]
+    r = omnitide(*base, "--kv-budget", (fits - 64) * need.bytes_per_token)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "--kv-budget" in r.stderr and f"one media unit is {need.first_unit_tokens} tokens" in r.stderr, r.stderr
+    assert f"give at least {max(fits, 192) * need.bytes_per_token} bytes" in r.stderr, r.stderr
+    assert "loading" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = omnitide(*base, "--kv-budget", max(fits, 192) * need.bytes_per_token)  # the figure it asked for streams
+    assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_simulate_leftover_option(tmp_path, capsys):
+    """``--leftover`` reaches OmniPick (recorded in the JSON); a bad kind or a non-OmniPick policy is a usage error."""
+    out = tmp_path / "sim.json"
+    rc, _, err = _main(capsys, "simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "90", "--leftover",
+                       "audio+text", "--json", out, "--no-progress")
+    assert rc == 0, err
+    assert json.loads(out.read_text())["policy_config"]["leftover"] == "audio+text"
+    rc, _, err = _main(capsys, "simulate", "--seconds", "5", "--leftover", "video")
+    assert rc == 2 and "leftover must name" in err
+    rc, _, err = _main(capsys, "simulate", "--seconds", "5", "--policy", "fifo", "--leftover", "audio")
+    assert rc == 2 and "leftover" in err
+
+
+def test_a_stream_whose_every_chunk_is_rejected_fails_and_says_what_was_skipped(tiny_checkpoints, tmp_path):
+    """Before: when the session rejected every chunk after the model loaded (here: frames of a 402x2 strip, which
+    the Qwen processor refuses, aspect ratio over 200), the summary counted what was read from the file
+    (`streamed 0 s: video 2 s, no audio track`) and the command exited 0 having streamed nothing. Now the summary
+    counts what became units (the session's stats()["media"]) and what was skipped and why, and it exits 1."""
+    import cv2
+
+    strip = tmp_path / "strip.avi"
+    writer = cv2.VideoWriter(str(strip), cv2.VideoWriter_fourcc(*"MJPG"), 1, (402, 2))
+    for k in range(3):
+        writer.write(np.full((2, 402, 3), 100 + 20 * k, np.uint8))
+    writer.release()
+    out = tmp_path / "o.json"
+    r = omnitide("stream", "--model", tiny_checkpoints["qwen"], "--video", strip, "--no-progress", "--json", out)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "streamed 0 of 2 s: video 0 s, no audio track" in r.stderr, r.stderr
+    assert "skipped 2 s (video 2 s): image aspect ratio 201 is over 200" in r.stderr, r.stderr
+    assert "nothing was streamed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    d = json.loads(out.read_text())  # the results are still written
+    assert d["media"]["units"] == 0 and d["media"]["video_seconds"] == 0
+    assert d["media"]["skipped"] == {"units": 2, "video_seconds": 2, "audio_seconds": 0.0, "silence_seconds": 0.0,
+                                     "reasons": ["image aspect ratio 201 is over 200"]}

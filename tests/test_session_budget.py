@@ -117,3 +117,35 @@ def test_capacity_returns_to_its_bound_after_a_large_unit(models, chunks):
     assert s.cache.capacity <= s.capacity_bound() < 1000
     s.cache.page_table.check_history(s.history)
     assert s.answer("Still fine?", max_tokens=4) is not None
+
+
+@pytest.mark.parametrize("name", ["qwen", "minicpmo"])
+def test_the_files_alone_give_the_sessions_bytes_per_token_and_unit(models, tiny_checkpoints, chunks, name):
+    """What the CLI checks --kv-budget with before loading (models/budget.py: config.json, the safetensors headers,
+    the unit layout) equals what the loaded session uses and builds for the bundled clip."""
+    from omnitide_mlx.models.budget import kv_need
+
+    frame, audio, _ = chunks[0]
+    need = kv_need(tiny_checkpoints[name], frame_size=(frame.shape[1], frame.shape[0]))
+    s = OmniSession(models[name], policy="full")
+    assert need.bytes_per_token == s.cache.bytes_per_token
+    first, second = (s.push(frame=c[0], audio=c[1], t=c[2])[0] for c in chunks[:2])
+    assert (need.first_unit_tokens, need.unit_tokens) == (first.tokens, second.tokens)
+
+
+@pytest.mark.parametrize("bits, group", [(8, 32), (8, 64), (4, 64), (4, 128)])
+def test_quantised_bytes_per_token_as_the_cache_counts_them(bits, group):
+    """--kv-bits in the pre-load check: the cache's own count (the tiny models' head_dim 16 is below MLX's smallest
+    group, so a 7B-shaped spec)."""
+    import mlx.core as mx
+
+    from omnitide_mlx.cache import OmniCache
+    from omnitide_mlx.models.base import KVSpec
+    from omnitide_mlx.models.budget import kv_bytes_per_token
+    from omnitide_mlx.rope import RopeSpec
+
+    spec = KVSpec(num_layers=28, kv_heads=4, head_dim=128, rope=RopeSpec(128, 1e6), position_axes=3)
+    for dtype, size in ((mx.bfloat16, 2), (mx.float32, 4)):
+        cache = OmniCache.for_spec(spec, dtype=dtype, kv_bits=bits, kv_group_size=group)
+        assert kv_bytes_per_token(28, 4, 128, size, bits, group) == cache.bytes_per_token
+    assert kv_bytes_per_token(28, 4, 128, 2) == spec.bytes_per_token()

@@ -238,3 +238,45 @@ def test_the_consumer_is_not_made_the_producers_worker(model, chunks):
     assert [r.t for r in s.records if r.kind == "media"] == [float(x) for x in range(k)]
     assert k >= 3
     _consistent(s)
+
+
+def test_a_probe_takes_the_engine_and_refuses_an_open_reply(model, chunks):
+    """Before: the eval probe (eval/probe.py's probe_logits) ran outside the session's lock, so it ran in the middle
+    of another thread's update, and with a reply open it fed its tokens under the reply's uid. Now it is a session
+    method that waits for the engine, and an open reply raises SessionBusyError with nothing touched."""
+    from omnitide_mlx.eval.probe import question_ids
+
+    held, release = threading.Event(), threading.Event()
+
+    def on_update(rec):
+        if rec.t == 1:
+            held.set()
+            release.wait(10)
+
+    s = OmniSession(model, policy="h2o", high=300, low=200, on_update=on_update)
+    s.push(frame=chunks[0][0], audio=chunks[0][1], t=0)
+    ids = question_ids(s, "What colour is the square?")
+    alone = s.probe_logits(ids)
+    np.testing.assert_array_equal(s.probe_logits(ids), alone)  # the probe left no trace
+    pusher = threading.Thread(target=s.push, kwargs=dict(frame=chunks[1][0], audio=chunks[1][1], t=1))
+    pusher.start()
+    assert held.wait(10)
+    done = []
+    prober = threading.Thread(target=lambda: done.append(s.probe_logits(ids)))
+    prober.start()
+    prober.join(0.5)
+    assert not done  # waits for the update that holds the engine
+    release.set()
+    pusher.join(10)
+    prober.join(10)
+    assert len(done) == 1 and len(s.history) == 3
+    _consistent(s)
+    it = s.ask("What colour is the square?", max_tokens=6)
+    next(it, None)
+    state = (s.history.to_json(), s.cache.page_table.state())
+    with pytest.raises(SessionBusyError, match="reply is open"):
+        s.probe_logits(ids)
+    assert (s.history.to_json(), s.cache.page_table.state()) == state
+    list(it)
+    _consistent(s)
+    assert s.probe_logits(ids).shape == alone.shape

@@ -110,12 +110,12 @@ def test_save_is_atomic_and_replaces_an_older_save_whole(models, saved, chunks, 
     def disk_full(*a, **k):  # a write that fails half way through the save
         raise OSError(28, "No space left on device")
 
-    s2._save_arrays = disk_full
+    s2.backend.save_arrays = disk_full  # this session's backend object only
     with pytest.raises(OSError, match="No space"):
         s2.save(path)
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before  # the older save is untouched
     assert sorted(os.listdir(tmp_path)) == ["sess"]  # no temporary folder left behind
-    del s2._save_arrays
+    del s2.backend.save_arrays
     s2.save(path)  # a good save replaces it whole
     r = OmniSession.restore(path, model=models["qwen"])
     assert r.history.to_json() == s2.history.to_json()

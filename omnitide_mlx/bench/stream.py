@@ -71,7 +71,7 @@ from ..core.units import History
 from ..engine import SessionCounters
 from ..kernels.quantized import quantize_rows
 from ..models.attention import cached_attention
-from ..session import OmniSession, keep_cpu_buffers
+from ..session import MlxBackend, OmniSession, keep_cpu_buffers
 from .common import Timing, load_average, versions
 from .report import write_outputs
 from .shape_models import SHAPES, ModelShape, ShapeTrueModel, question_tokens, reply_closing_tokens, update_flops
@@ -175,6 +175,15 @@ class ProfiledOmniCache(OmniCache):
         return moved
 
 
+class ProfiledBackend(MlxBackend):
+    """The MLX backend over a ProfiledOmniCache."""
+
+    def make_cache(self, model, spec, *, dtype, placement, page_size, subblock_size, collect_scores, kv_quant):
+        keep_cpu_buffers()  # as MlxBackend.make_cache does
+        return ProfiledOmniCache.for_spec(spec, dtype=dtype, page_size=page_size, subblock_size=subblock_size,
+                                          placement=placement, collect_scores=collect_scores, **kv_quant)
+
+
 class BenchSession(OmniSession):
     """OmniSession that remembers the physical span right after each prefill (the span attention walked before
     maintenance: the peak span counts it) and, per forward step, its tokens and the keys its queries visit (for the
@@ -185,7 +194,7 @@ class BenchSession(OmniSession):
         self.prefill_span = 0
         self.peak_span = 0
         self.steps: list[tuple[int, int]] = []  # (tokens, keys visited) per forward step
-        super().__init__(model, **kw)
+        super().__init__(model, backend=ProfiledBackend() if profiled else MlxBackend(), **kw)
 
     def _forward(self, embeds, positions):
         out = super()._forward(embeds, positions)  # evaluation already started (async): the count overlaps it
@@ -195,12 +204,6 @@ class BenchSession(OmniSession):
         tile = table.subblock_size if t <= DECODE_MAX_TOKENS else table.page_size
         self.steps.append((t, tile_keys_visited(table, slots, tile)[1]))
         return out
-
-    def _make_cache(self, spec, *, placement, page_size, subblock_size, collect_scores):
-        keep_cpu_buffers()  # as OmniSession._make_cache does
-        cls = ProfiledOmniCache if self.profiled else OmniCache
-        return cls.for_spec(spec, dtype=self.kv_dtype, page_size=page_size, subblock_size=subblock_size,
-                            placement=placement, collect_scores=collect_scores, **self.kv_quant)
 
     def _prefill(self, prepared, alloc_class=AllocClass.RECENT_CONTEXT):
         uid = super()._prefill(prepared, alloc_class)

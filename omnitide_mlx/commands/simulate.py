@@ -21,6 +21,7 @@ examples:
   omnitide simulate --profile qwen2.5-omni-7b --policy streamingllm --migration ordered_suffix
 """
 
+from ..core.layout import OMNIPAGE_MIGRATIONS
 from .options import (POLICIES, UsageError, add_progress_argument, check_output_file, non_negative_int,  # noqa: F401
                       positive_int)
 
@@ -45,10 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent-count", choices=["media", "all"], default=None,
                    help="OmniPick: what --recent-units counts: media units, with the questions and replies after "
                         "them kept whole too (default), or every unit (the rule before issue 12)")
+    p.add_argument("--leftover", default=None, metavar="KINDS",
+                   help="OmniPick: give the budget left under --low to older units' spans of these kinds, in order "
+                        "(e.g. audio+text; kinds: audio, text, image, slice; default off: the paper's section 5.1 "
+                        "steps)")
     from .options import add_media_arguments
 
     add_media_arguments(p)
-    p.add_argument("--migration", choices=["class_aware", "ordered_suffix"], default="class_aware",
+    p.add_argument("--migration", choices=list(OMNIPAGE_MIGRATIONS), default=OMNIPAGE_MIGRATIONS[0],
                    help="OmniPage migration: class_aware (tile-skipping kernels, the MLX path; default) or "
                         "ordered_suffix (span-traversing kernels)")
     p.add_argument("--min-gain-pages", type=positive_int, default=1, help="ordered_suffix: least span gain in pages (1)")
@@ -69,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     from omnitide_mlx.core.page import LayoutError
     from omnitide_mlx.core.pick import RetentionError, make_policy
     from omnitide_mlx.core.profiles import ProfileError, StreamSpec
-    from omnitide_mlx.core.sim import SimError, Simulator, plot_result
+    from omnitide_mlx.core.sim import SimError, Simulator
     from omnitide_mlx.core.stream_units import watermark_guard
     from omnitide_mlx.models.stream_units import resolve_profile
+    from omnitide_mlx.plots.simulate import plot_result
 
     from .options import UsageError, media_setting
 
@@ -86,13 +92,13 @@ def run(args: argparse.Namespace) -> int:
         kw = {k: v for k, v in (("high", args.high), ("low", args.low), ("recent_units", args.recent_units),
                                 ("image_sink", args.image_sink), ("audio_sink", args.audio_sink),
                                 ("slice_sink", args.slice_sink), ("text_budget", args.text_budget),
-                                ("recent_count", args.recent_count))
+                                ("recent_count", args.recent_count), ("leftover", args.leftover))
               if v is not None}
         if "high" in kw and "low" not in kw:
             kw["low"] = min(kw["high"], profile.low)
         if "low" in kw and "high" not in kw:
             kw["high"] = max(kw["low"], profile.high)
-        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget", "recent_count"}
+        knobs = {"recent_units", "image_sink", "audio_sink", "slice_sink", "text_budget", "recent_count", "leftover"}
         if args.policy not in ("omnitide", "omnipick", "eager") and knobs & set(kw):
             print(f"error: {sorted(knobs & set(kw))} apply to omnipick / omnitide / eager only", file=sys.stderr)
             return 2

@@ -32,13 +32,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .errors import OmniTideError
+from .layout import LAYOUT_NAMES
 from .units import History, Span, SpanKind, Unit, UnitError, UnitKind
 
-LAYOUTS = ("native", "omnipage", "eager")
 POSITION_MODES = ("shift", "keep")  # close the gaps (one re-rotation per kept key) or keep the old positions
 
 
-class RetentionError(ValueError):
+class RetentionError(OmniTideError, ValueError):
     """A malformed retention plan or policy configuration (e.g. one that would delete the system prefix)."""
 
 
@@ -265,8 +266,8 @@ class RetentionPolicy:
             raise RetentionError(f"watermarks must be ints, got high={high!r}, low={low!r}")
         if not 0 < low <= high:
             raise RetentionError(f"need 0 < low <= high, got low={low}, high={high}")
-        if layout not in LAYOUTS:
-            raise RetentionError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        if layout not in LAYOUT_NAMES:
+            raise RetentionError(f"unknown layout {layout!r}; choose one of {LAYOUT_NAMES}")
         self.high = int(high)
         self.low = int(low)
         self.layout = layout
@@ -411,6 +412,24 @@ class H2O(RetentionPolicy):
 
 
 RECENT_COUNTS = ("media", "all")
+LEFTOVER_KINDS = {"audio": (SpanKind.AUDIO,), "text": (SpanKind.TEXT, SpanKind.RESPONSE),
+                  "image": (SpanKind.IMAGE,), "slice": (SpanKind.IMAGE_SLICE,)}
+
+
+def parse_leftover(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``"audio+text"`` (or a sequence) -> ``("audio", "text")``: the order in which OmniPick hands the budget left
+    under the low watermark to older units' spans. Empty, None or "off": no leftover allocation."""
+    if value is None:
+        return ()
+    parts = value.replace(",", "+").split("+") if isinstance(value, str) else list(value)
+    parts = [p.strip().lower() for p in parts if p.strip()]
+    if parts in ([], ["off"]):
+        return ()
+    bad = [p for p in parts if p not in LEFTOVER_KINDS]
+    if bad or len(set(parts)) != len(parts):
+        raise RetentionError(f"leftover must name each of {', '.join(LEFTOVER_KINDS)} at most once, joined by '+' "
+                             f"(e.g. audio+text), or 'off'; got {value!r}")
+    return tuple(parts)
 
 
 class OmniPick(RetentionPolicy):
@@ -429,14 +448,21 @@ class OmniPick(RetentionPolicy):
     3. if still above ``low``, drops units oldest first, partially retained ones before complete ones, until at
        or under ``low`` or one stream unit remains (the newest is never dropped; recent units go whole or not
        at all).
+
+    ``leftover`` (off by default) is the paper's leftover-budget rule (sections 1 and 5: the budget that remains goes
+    to audio, text and other tokens by modality importance): when steps 1-2 leave the history under ``low``, the
+    difference extends older units' spans of the named kinds, in the order given (``"audio+text"``: every older
+    audio span first, then text), newest unit first within a kind, each span's kept part staying a prefix. It is
+    off by default because every committed figure uses the section 5.1 steps; docs/simulator.md measures it.
     """
 
     name = "omnipick"
 
     def __init__(self, high: int = 2500, low: int = 1800, recent_units: int = 2, image_sink: int = 4,
                  audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "native",
-                 recent_count: str = "media"):
+                 recent_count: str = "media", leftover: str | Sequence[str] | None = None):
         super().__init__(high, low, layout)
+        self.leftover = parse_leftover(leftover)
         if recent_count not in RECENT_COUNTS:
             raise RetentionError(f"recent_count must be one of {RECENT_COUNTS}, got {recent_count!r}")
         self.recent_count = recent_count
@@ -494,6 +520,9 @@ class OmniPick(RetentionPolicy):
                 keep[off:off + u.length] = True
                 complete.append(i)
         total = int(keep.sum())
+        if self.leftover and total < self.low:
+            self._spend_leftover(history, keep, offsets, stream[:n_old], self.low - total)
+            return keep  # at or under low: step 3 has nothing to do
         remaining = len(stream)
         for i in partial + complete:  # each list is oldest first
             if total <= self.low or remaining <= 1:
@@ -504,10 +533,31 @@ class OmniPick(RetentionPolicy):
             remaining -= 1
         return keep
 
+    def _spend_leftover(self, history: History, keep: np.ndarray, offsets, older: list[int], spare: int) -> None:
+        """Extend the kept prefix of older units' spans, kind by kind in ``leftover`` order, newest unit first,
+        until ``spare`` tokens are used."""
+        for name in self.leftover:
+            kinds = LEFTOVER_KINDS[name]
+            for i in reversed(older):
+                u, off = history[i], offsets[i]
+                for s in u.spans:
+                    if s.kind not in kinds:
+                        continue
+                    a, b = off + s.start, off + s.end
+                    have = int(keep[a:b].sum())  # a prefix (step 2 keeps prefixes)
+                    add = min(spare, s.length - have)
+                    keep[a + have:a + have + add] = True
+                    spare -= add
+                    if not spare:
+                        return
+
     def config(self):
-        return {**super().config(), "recent_units": self.recent_units, "image_sink": self.image_sink,
-                "audio_sink": self.audio_sink, "slice_sink": self.slice_sink, "text_budget": self.text_budget,
-                "recent_count": self.recent_count}
+        cfg = {**super().config(), "recent_units": self.recent_units, "image_sink": self.image_sink,
+               "audio_sink": self.audio_sink, "slice_sink": self.slice_sink, "text_budget": self.text_budget,
+               "recent_count": self.recent_count}
+        if self.leftover:
+            cfg["leftover"] = "+".join(self.leftover)
+        return cfg
 
 
 class OmniTide(OmniPick):
@@ -517,9 +567,9 @@ class OmniTide(OmniPick):
 
     def __init__(self, high: int = 2500, low: int = 1800, recent_units: int = 2, image_sink: int = 4,
                  audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "omnipage",
-                 recent_count: str = "media"):
+                 recent_count: str = "media", leftover: str | Sequence[str] | None = None):
         super().__init__(high, low, recent_units, image_sink, audio_sink, slice_sink, text_budget, layout,
-                         recent_count)
+                         recent_count, leftover)
 
 
 POLICIES: dict[str, tuple[type[RetentionPolicy], dict[str, Any]]] = {

@@ -1,9 +1,10 @@
 """Measuring what a streaming session still knows, without changing it.
 
-``probe_logits`` feeds a few tokens (a question and the start of its answer) at the end of the session's retained
-history, through the session's own bounded OmniCache, reads the next-token logits, and takes the tokens back out
-with an ordinary retention plan that drops them. The session's history, cache contents and H2O scores are as
-before, so many questions can be asked of one stream state and none of them steers later retention.
+``session.probe_logits(ids)`` (engine.py) feeds a few tokens (a question and the start of its answer) at the end of
+the session's retained history, through the session's own bounded cache, under the session's lock, reads the
+next-token logits, and takes the tokens back out with an ordinary retention plan that drops them. The session's
+history, cache contents and H2O scores are as before, so many questions can be asked of one stream state and none
+of them steers later retention. ``question_ids`` / ``context_unit_ids`` here give the ids to probe with.
 
 ``RetentionRecorder`` wraps a policy and records, for every unit, which of its original tokens are still retained:
 it tells whether a fact's answer token survived in the KV cache when the question comes.
@@ -13,9 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.pick import RetentionPlan, RetentionPolicy, plan_from_mask
-from ..core.units import History, Span, SpanKind, Unit, UnitKind
-from ..models.base import text_positions
+from ..core.pick import RetentionPlan, RetentionPolicy
+from ..core.units import History
 
 
 class RetentionRecorder(RetentionPolicy):
@@ -80,35 +80,6 @@ def _unit_ids(session, make_unit, text: str) -> list[int]:
     finally:
         adapter.load_state(meta, arrays)
     return [int(i) for i in prepared.input_ids]
-
-
-def probe_logits(session, ids: list[int]) -> np.ndarray:
-    """Next-token logits (float32 numpy) after ``ids`` appended to the session's retained history; the session is
-    left unchanged (the probe's KV slots are freed by a plan that drops the probe unit)."""
-    import mlx.core as mx
-
-    if not ids:
-        raise ValueError("a probe needs at least one token")
-    cache, history = session.cache, session.history
-    axes = session.adapter.kv_spec.position_axes
-    n, start, uid = len(ids), history.next_position(), history.next_uid()
-    positions = text_positions(start, n, axes)
-    collect = cache.collect_scores
-    cache.collect_scores = False  # the probe's attention must not count for H2O
-    try:
-        cache.set_owner(uid)
-        embeds = session.adapter.embed_tokens(ids)
-        pos = mx.array(positions if axes > 1 else positions[0])
-        logits = session.model.language_model(embeds[None], cache, pos, last_only=True)[0, -1]
-        out = np.array(logits.astype(mx.float32))
-    finally:
-        cache.collect_scores = collect
-    probe = Unit(uid=uid, kind=UnitKind.USER, spans=(Span(SpanKind.TEXT, 0, n),), positions=positions)
-    with_probe = History(list(history) + [probe])
-    keep = np.ones(with_probe.total_tokens, dtype=bool)
-    keep[-n:] = False
-    cache.evict(plan_from_mask(with_probe, keep, "probe"), with_probe)
-    return out
 
 
 def context_unit_ids(session, text: str) -> list[int]:

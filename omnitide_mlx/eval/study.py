@@ -197,7 +197,7 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
     get a real user question and the model's greedy reply (12 tokens) pushed into the stream. ``kv``: the
     session's quantised-KV keywords (``kv_bits``, ``kv_group_size``, ``kv_keep_sinks_full``; default float KV)."""
     from ..session import OmniSession
-    from .probe import RetentionRecorder, context_unit_ids, probe_logits, question_ids
+    from .probe import RetentionRecorder, context_unit_ids, question_ids
 
     recorder = RetentionRecorder(setting.build())
     m = _OmniStyleModel(model) if style == "omni" else model
@@ -226,7 +226,7 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
         while pending and pending[0].after_unit == u + 1:
             q = pending.pop(0)
             fact = episode.facts[q.fact]
-            logits = probe_logits(session, question_ids(session, fact.question, fact.answer_prefix))
+            logits = session.probe_logits(question_ids(session, fact.question, fact.answer_prefix))
             scores = {w: float(logits[i]) for w, i in candidates.items()}
             predicted = max(scores, key=scores.get)
             uid, index = answer_index[fact.unit]

@@ -6,7 +6,7 @@
         print(piece, end="")
 
 Units, retention, replies, threads and save / restore are the engine's (engine.py); this module supplies the
-PyTorch pieces: transformers' thinker with the ``"omnitide"`` attention, the OmniTorchCache, sampling, safetensors.
+PyTorch backend (backend.py's protocol): transformers' thinker with the ``"omnitide"`` attention, the OmniTorchCache, sampling, safetensors.
 
 The OmniPage layout defaults to the ordered-suffix migration (paper 6.2: "for the selected CUDA configurations"),
 because the SDPA / FlashAttention-style kernels traverse the physical span and only a shorter span saves them work;
@@ -22,12 +22,99 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.sim import make_layout
-from ..engine import Sampling, StreamingSession, _model_ref
-from ..errors import RestoreError
+from ..core.layout import OMNIPAGE_MIGRATIONS, make_layout
+from ..engine import Sampling, StreamingSession
 from .cache import OmniTorchCache
 
-MIGRATIONS = ("ordered_suffix", "class_aware")
+MIGRATIONS = tuple(reversed(OMNIPAGE_MIGRATIONS))  # the default first: ordered_suffix
+
+
+class TorchBackend:
+    """The PyTorch backend (backend.py's protocol): transformers' Qwen2.5-Omni thinker with the ``"omnitide"``
+    attention, the OmniTorchCache, torch sampling and safetensors. ``device`` / ``dtype``: where and in what a
+    model loaded from a path goes (default: CUDA when available; float32 on the CPU, the checkpoint's on CUDA);
+    ``kernel``: the cache's attention kernel (default by device); ``migration``: the OmniPage planner mode."""
+
+    name = "torch"
+    quantised_kv = False
+
+    def __init__(self, device=None, dtype=None, kernel: str | None = None, migration: str = "ordered_suffix"):
+        if migration not in MIGRATIONS:
+            raise ValueError(f"migration must be one of {MIGRATIONS}, got {migration!r}")
+        self.device = torch.device(device) if device is not None else None
+        self.load_dtype = dtype
+        self.kernel = kernel
+        self.migration = migration
+
+    def load_model(self, path):
+        from .qwen2_5_omni import load
+
+        return load(path, device=self.device or _default_device(), dtype=self.load_dtype)
+
+    def default_kv_dtype(self, model) -> torch.dtype:
+        return model.dtype
+
+    def dtype_from_name(self, name: str) -> torch.dtype:
+        if name not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"unknown KV dtype {name!r} in the saved session")
+        return getattr(torch, name)
+
+    def dtype_name(self, dtype) -> str:
+        return str(dtype).split(".")[-1]
+
+    def layout(self, name: str, page_size: int, subblock_size: int):
+        return make_layout(name, page_size, subblock_size, migration=self.migration)
+
+    def kv_bytes_per_token(self, spec, dtype, kv_quant: dict) -> int:
+        return spec.bytes_per_token(dtype)
+
+    def make_cache(self, model, spec, *, dtype, placement, page_size, subblock_size, collect_scores,
+                   kv_quant) -> OmniTorchCache:
+        return OmniTorchCache.for_spec(spec, dtype=dtype, device=model.device, page_size=page_size,
+                                       subblock_size=subblock_size, placement=placement, kernel=self.kernel,
+                                       collect_scores=collect_scores)
+
+    def load_cache(self, model, path: Path) -> OmniTorchCache:
+        """The saved cache; ``kernel`` (when set) overrides the saved one, and the OmniPage migration mode follows
+        the saved table (ordered-suffix tables are first-fit, class-aware ones class-aware)."""
+        cache = OmniTorchCache.load(path, device=model.device)
+        if self.kernel is not None:
+            cache.set_kernel(self.kernel)
+        self.device, self.kernel = model.device, cache.kernel
+        self.migration = "class_aware" if cache.page_table.placement == "class_aware" else "ordered_suffix"
+        return cache
+
+    def forward(self, model, cache, embeds: torch.Tensor, positions: np.ndarray, *, hidden: bool = False):
+        try:
+            return model.step_logits(embeds, positions, cache), None
+        except BaseException:
+            if cache.in_step:
+                cache.abort_step()
+            raise
+
+    def eval(self, *arrays) -> None:
+        if any(isinstance(a, torch.Tensor) and a.is_cuda for a in arrays):
+            torch.cuda.synchronize()
+
+    def sampler(self, sampling: Sampling):
+        return make_sampler(sampling)
+
+    def to_numpy(self, array) -> np.ndarray:
+        return array.detach().to("cpu", torch.float32).numpy()
+
+    def save_arrays(self, path: Path, arrays: dict) -> None:
+        from safetensors.torch import save_file
+
+        out = {}
+        for k, v in arrays.items():
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
+            out[k] = t.detach().to("cpu").contiguous()
+        save_file(out, str(path))
+
+    def load_arrays(self, path: Path) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
 
 
 class TorchSession(StreamingSession):
@@ -37,80 +124,17 @@ class TorchSession(StreamingSession):
     :func:`omnitide_mlx.torch.qwen2_5_omni.load`. ``device``: ``"cuda"``, ``"cpu"``, ... (used when loading from a
     path; default CUDA when available); ``dtype``: the model's dtype when loading (default: float32 on the CPU,
     the checkpoint's on CUDA); ``kernel``: the cache's attention kernel (``flex`` / ``sdpa`` / ``reference``;
-    default by device); ``migration``: the OmniPage planner mode. Other arguments are the engine's.
+    default by device); ``migration``: the OmniPage planner mode. Other arguments are the engine's; the engine
+    with a :class:`TorchBackend`.
     """
-
-    backend = "torch"
-    device = None  # set per instance; class defaults let the engine's restore build an instance first
-    kernel = None
-    migration = "ordered_suffix"
-    _load_dtype = None
 
     def __init__(self, model, processor=None, *, device=None, dtype=None, kernel: str | None = None,
                  migration: str = "ordered_suffix", **kwargs):
-        if migration not in MIGRATIONS:
-            raise ValueError(f"migration must be one of {MIGRATIONS}, got {migration!r}")
-        self.device = torch.device(device) if device is not None else None
-        self._load_dtype = dtype
-        self.kernel = kernel
-        self.migration = migration
-        super().__init__(model, processor, **kwargs)
-        _, self.planner = make_layout(self.policy.layout, self.cache.page_table.page_size,
-                                      self.cache.page_table.subblock_size, migration=migration)
+        super().__init__(model, processor, backend=TorchBackend(device, dtype, kernel, migration), **kwargs)
 
-    # --- backend hooks ------------------------------------------------------------------------------------------
-    def _load_model(self, path):
-        from .qwen2_5_omni import load
-
-        return load(path, device=self.device or _default_device(), dtype=self._load_dtype)
-
-    def _default_kv_dtype(self, model) -> torch.dtype:
-        return model.dtype
-
-    def _dtype_from_name(self, name: str) -> torch.dtype:
-        if name not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"unknown KV dtype {name!r} in the saved session")
-        return getattr(torch, name)
-
-    def _make_cache(self, spec, *, placement, page_size, subblock_size, collect_scores) -> OmniTorchCache:
-        if self.policy.layout == "omnipage":  # the engine asked for the class-aware layout's placement: use ours
-            table, _ = make_layout("omnipage", page_size, subblock_size, migration=self.migration)
-            placement = table.placement
-        return OmniTorchCache.for_spec(spec, dtype=self.kv_dtype, device=self.model.device, page_size=page_size,
-                                       subblock_size=subblock_size, placement=placement, kernel=self.kernel,
-                                       collect_scores=collect_scores)
-
-    def _load_cache(self, path: Path) -> OmniTorchCache:
-        return OmniTorchCache.load(path, device=self.model.device, kernel=self.kernel)
-
-    def _forward(self, embeds: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
-        try:
-            return self.model.step_logits(embeds, positions, self.cache)
-        except BaseException:
-            if self.cache.in_step:
-                self.cache.abort_step()
-            raise
-
-    def _eval(self, *arrays) -> None:
-        if any(isinstance(a, torch.Tensor) and a.is_cuda for a in arrays):
-            torch.cuda.synchronize()
-
-    def _sampler(self, sampling: Sampling):
-        return make_sampler(sampling)
-
-    def _save_arrays(self, path: Path, arrays: dict) -> None:
-        from safetensors.torch import save_file
-
-        out = {}
-        for k, v in arrays.items():
-            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
-            out[k] = t.detach().to("cpu").contiguous()
-        save_file(out, str(path))
-
-    def _load_arrays(self, path: Path) -> dict:
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+    device = property(lambda self: self.backend.device, doc="The model's device.")
+    kernel = property(lambda self: self.backend.kernel, doc="The attention kernel asked for (None: by device).")
+    migration = property(lambda self: self.backend.migration, doc="The OmniPage migration mode.")
 
     @classmethod
     def restore(cls, path: str | os.PathLike, model=None, processor=None, on_update=None, *, device=None,
@@ -118,29 +142,7 @@ class TorchSession(StreamingSession):
         """Load a session written by ``save`` (the engine's restore). ``model`` defaults to the saved model path,
         loaded on ``device`` in ``dtype``; ``kernel`` overrides the saved attention kernel. The OmniPage migration
         mode follows the saved layout (ordered-suffix tables are first-fit, class-aware ones class-aware)."""
-        if model is None or isinstance(model, (str, os.PathLike)):
-            from .qwen2_5_omni import load
-
-            if model is None:
-                model = cls.read_meta(path).get("model_path")
-                if not model:
-                    raise RestoreError(f"{Path(path) / 'session.json'} does not record its model; pass model=")
-            model_path = _model_ref(model)
-            model = load(model, device=device or _default_device(), dtype=dtype)
-        else:
-            model_path = None
-        self = super().restore(path, model=model, processor=processor, on_update=on_update)
-        if model_path is not None:
-            self.model_path = model_path
-        self.device, self._load_dtype = self.model.device, dtype
-        if kernel is not None:
-            self.cache.set_kernel(kernel)
-        self.kernel = self.cache.kernel
-        table = self.cache.page_table
-        self.migration = "class_aware" if table.placement == "class_aware" else "ordered_suffix"
-        _, self.planner = make_layout(self.policy.layout, table.page_size, table.subblock_size,
-                                      migration=self.migration)
-        return self
+        return super().restore(path, model, processor, on_update, device=device, dtype=dtype, kernel=kernel)
 
 
 def _default_device() -> str:

@@ -359,3 +359,93 @@ def test_recent_units_count_media_units():
     assert min(whole["all"]) < 2
     with pytest.raises(RetentionError, match="recent_count"):
         make_policy("omnipick", recent_count="text")
+
+
+# --- the leftover-budget rule (issue 12, item 4) --------------------------------------------------------------
+
+@settings(max_examples=200)
+@given(h=histories(), knobs=knob_strategy, wm=st.tuples(st.floats(0.05, 1.0), st.floats(0.0, 0.5)),
+       order=st.permutations(["audio", "text", "image", "slice"]), n=st.integers(1, 4))
+def test_leftover_keeps_a_superset_up_to_low_and_fills_kinds_in_order(h, knobs, wm, order, n):
+    total = h.total_tokens
+    low = max(1, int(total * wm[0]))
+    high = max(low, int(total * (wm[0] + wm[1])) - 1)
+    base = OmniPick(high=high, low=low, **knobs)
+    spent = OmniPick(high=high, low=low, leftover="+".join(order[:n]), **knobs)
+    p0, p1 = base.plan(h), spent.plan(h)
+    if p0 is None:
+        assert p1 is None or total <= high
+        return
+    k0 = p0.keep_mask()
+    k1 = spent.keep_mask(h)
+    assert (k1 >= k0).all(), "the leftover only adds tokens"
+    if p0.tokens_after >= low:
+        assert (k1 == k0).all(), "nothing is left over at or above low"
+        return
+    assert int(k0.sum()) <= int(k1.sum()) <= low
+    extra = k1 & ~k0
+    event("leftover spent" if extra.any() else "nothing of the named kinds to extend")
+    kinds = np.concatenate([u.token_kinds() for u in h])
+    isin = lambda names: np.array([k in {x for nm in names for x in named[nm]} for k in kinds], dtype=bool)  # noqa
+    named = {"audio": (SpanKind.AUDIO,), "text": (SpanKind.TEXT, SpanKind.RESPONSE), "image": (SpanKind.IMAGE,),
+             "slice": (SpanKind.IMAGE_SLICE,)}
+    allowed = isin(order[:n])
+    assert not (extra & ~allowed).any(), "only the named kinds get the leftover"
+    # every span's kept part stays a prefix
+    offsets = h.offsets()
+    for i, u in enumerate(h):
+        for s in u.spans:
+            seg = k1[offsets[i] + s.start:offsets[i] + s.end]
+            assert not (~seg[:-1] & seg[1:]).any()
+    # a later kind gets tokens only once every older span of the earlier kinds is whole
+    if int(k1.sum()) < low:
+        return  # everything named was used up before the leftover
+    for j, name in enumerate(order[:n]):
+        later = isin(order[j + 1:n])
+        if (extra & later).any():
+            mine = isin([name])
+            older_units = [i for i, up in enumerate(p0.units) if not up.untouched]
+            for i in older_units:
+                a, b = offsets[i], offsets[i] + h[i].length
+                assert k1[a:b][mine[a:b]].all()
+    _check_apply(h, plan_from_mask(h, k1, "omnipick"))
+
+
+def test_leftover_gives_older_audio_first_newest_unit_first():
+    """Three older units of [boundary 1, image 10, audio 8, text 4, boundary 1] and two recent ones: with audio_sink
+    2 and text_budget 0 the §5.1 steps keep 1 + 4 + 2 + 0 + 1 = 8 tokens of each older unit; a low watermark 10
+    above that goes to audio, newest older unit first (6 to unit 3, 4 to unit 2), none to text."""
+    from omnitide_mlx.core.units import History, Unit
+
+    spans = [(SpanKind.BOUNDARY, 1), (SpanKind.IMAGE, 10), (SpanKind.AUDIO, 8), (SpanKind.TEXT, 4),
+             (SpanKind.BOUNDARY, 1)]
+    h = History([Unit.build(0, UnitKind.SYSTEM, [(SpanKind.SYSTEM, 5)])])
+    for uid in range(1, 6):
+        h.append(Unit.build(uid, UnitKind.MEDIA, spans, start_position=h.next_position()))
+    kw = dict(high=100, recent_units=2, image_sink=4, audio_sink=2, text_budget=0)
+    low = 5 + 3 * 8 + 2 * 24 + 10
+    base = OmniPick(low=low - 10, **kw).plan(h)
+    assert base.tokens_after == low - 10
+    plan = OmniPick(low=low, leftover="audio+text", **kw).plan(h)
+    assert plan.tokens_after == low
+    kept_audio = [int(up.keep_mask()[11:19].sum()) for up in plan.units[1:4]]
+    assert kept_audio == [2, 6, 8]
+    assert all(int(up.keep_mask()[19:23].sum()) == 0 for up in plan.units[1:4])
+    assert OmniPick(low=low, leftover="audio+text", **kw).config()["leftover"] == "audio+text"
+
+
+def test_leftover_values_are_checked():
+    from omnitide_mlx.core.pick import parse_leftover
+    from omnitide_mlx.eval.policies import parse_policy_spec
+
+    assert parse_leftover("audio+text") == ("audio", "text") and parse_leftover("off") == () and parse_leftover(None) == ()
+    for bad in ("audio+audio", "video", "audio+"):
+        if bad == "audio+":
+            assert parse_leftover(bad) == ("audio",)
+            continue
+        with pytest.raises(RetentionError, match="leftover must name"):
+            OmniPick(leftover=bad)
+    assert parse_policy_spec("omnipick:leftover=audio+text,text_budget=64") == (
+        "omnipick", (("leftover", "audio+text"), ("text_budget", 64)))
+    with pytest.raises(ValueError, match="leftover"):
+        parse_policy_spec("omnipick:leftover=video")

@@ -204,6 +204,27 @@ class VisionSettings:
         return self.patchify(x)
 
 
+def read_preprocessor_config(folder: Path) -> tuple[VisionSettings, dict]:
+    """The vision settings and the audio feature keywords of a checkpoint's ``preprocessor_config.json`` (the
+    defaults where it has none): JSON only, no tokenizer, no weights."""
+    vision, audio = VisionSettings(), {}
+    pp = Path(folder) / "preprocessor_config.json"
+    if pp.is_file():
+        with open(pp, encoding="utf-8") as f:
+            cfg = json.load(f)
+        for k in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            if k in cfg:
+                setattr(vision, k, int(cfg[k]))
+        for k in ("image_mean", "image_std"):
+            if k in cfg:
+                setattr(vision, k, tuple(cfg[k]))
+        for k, name in (("feature_size", "n_mels"), ("sampling_rate", "sampling_rate"), ("n_fft", "n_fft"),
+                        ("hop_length", "hop_length")):
+            if k in cfg:
+                audio[name] = int(cfg[k])
+    return vision, audio
+
+
 def sample_frame_indices(total_frames: int, video_fps: float, fps: float = 2.0, temporal_patch: int = 2,
                          min_frames: int = 4, max_frames: int = 768) -> np.ndarray:
     """Which frames to keep to sample ``fps`` frames a second (transformers' Qwen2-VL rule)."""
@@ -303,21 +324,7 @@ class Processor:
     @classmethod
     def from_pretrained(cls, folder: Path, **kw) -> "Processor":
         folder = Path(folder)
-        vision, audio = VisionSettings(), {}
-        pp = folder / "preprocessor_config.json"
-        if pp.is_file():
-            with open(pp, encoding="utf-8") as f:
-                cfg = json.load(f)
-            for k in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
-                if k in cfg:
-                    setattr(vision, k, int(cfg[k]))
-            for k in ("image_mean", "image_std"):
-                if k in cfg:
-                    setattr(vision, k, tuple(cfg[k]))
-            for k, name in (("feature_size", "n_mels"), ("sampling_rate", "sampling_rate"), ("n_fft", "n_fft"),
-                            ("hop_length", "hop_length")):
-                if k in cfg:
-                    audio[name] = int(cfg[k])
+        vision, audio = read_preprocessor_config(folder)
         return cls(load_tokenizer(folder), vision, **audio, **kw)
 
     # --- text ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ pytest.importorskip("gguf")
 
 from omnitide_mlx.core.pick import make_policy  # noqa: E402
 from omnitide_mlx.errors import MediaError  # noqa: E402
-from omnitide_mlx.eval.probe import RetentionRecorder, probe_logits, question_ids  # noqa: E402
+from omnitide_mlx.eval.probe import RetentionRecorder, question_ids  # noqa: E402
 from omnitide_mlx.models.llama_gguf import GGUFError, load_gguf  # noqa: E402
 from omnitide_mlx.models.llama_gguf.tiny import write_tiny_gguf  # noqa: E402
 from omnitide_mlx.session import OmniSession  # noqa: E402
@@ -175,9 +175,9 @@ def test_after_an_eviction_the_next_step_equals_the_masked_full_cache_at_shifted
     lm = model.language_model
     want = np.array(lm(lm.embed_tokens(mx.array(question))[None], reference,
                        np.arange(kept.size, kept.size + len(question)))[0, -1])
-    np.testing.assert_allclose(probe_logits(bounded, question), want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(bounded.probe_logits(question), want, atol=1e-4, rtol=1e-4)
     # the probe left the session as it was: asking again gives the same logits, and streaming goes on
-    np.testing.assert_array_equal(probe_logits(bounded, question), probe_logits(bounded, question))
+    np.testing.assert_array_equal(bounded.probe_logits(question), bounded.probe_logits(question))
     assert bounded.history.total_tokens == kept.size == bounded.cache.retained
     bounded.push(text="[09:00] The desk closes.")
     bounded.cache.page_table.check_history(bounded.history)
