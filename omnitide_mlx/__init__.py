@@ -12,6 +12,7 @@ _LAZY = {
     "load": ("omnitide_mlx.models", "load"),
     "OmniSession": ("omnitide_mlx.session", "OmniSession"),
     "OmniCache": ("omnitide_mlx.cache", "OmniCache"),
+    "OmniTideError": ("omnitide_mlx.errors", "OmniTideError"),
     "MediaError": ("omnitide_mlx.errors", "MediaError"),
     "SessionError": ("omnitide_mlx.errors", "SessionError"),
     "SessionBusyError": ("omnitide_mlx.errors", "SessionBusyError"),

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import OmniCache
-from .core.sim import make_layout
+from .core.layout import make_layout
 from .engine import (  # noqa: F401  (re-exported for users of the session API)
     Sampling,
     SessionCounters,

@@ -250,7 +250,9 @@ def test_media_end_streams_the_rest_and_says_so(tiny_checkpoints, media_dir, tmp
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert [u["t"] for u in d["updates"] if u["kind"] == "media"] == [float(k) for k in range(10)]
-    assert d["media"] == {"units": 10, "video_seconds": 10, "audio_seconds": 1.0, "silence_seconds": 9.0}
+    assert d["media"] == {"units": 10, "video_seconds": 10, "audio_seconds": 1.0, "silence_seconds": 9.0,
+                          "skipped": {"units": 0, "video_seconds": 0, "audio_seconds": 0.0, "silence_seconds": 0.0,
+                                      "reasons": []}}
     assert "streamed 10 s: video 10 s, audio 1.0 s (+ 9.0 s of silence)" in r.stderr
     assert "moov atom" not in r.stderr and "[mov," not in r.stderr
 
@@ -370,3 +372,27 @@ def test_simulate_leftover_option(tmp_path, capsys):
     assert rc == 2 and "leftover must name" in err
     rc, _, err = _main(capsys, "simulate", "--seconds", "5", "--policy", "fifo", "--leftover", "audio")
     assert rc == 2 and "leftover" in err
+
+
+def test_a_stream_whose_every_chunk_is_rejected_fails_and_says_what_was_skipped(tiny_checkpoints, tmp_path):
+    """Before: when the session rejected every chunk after the model loaded (here: frames of a 402x2 strip, which
+    the Qwen processor refuses, aspect ratio over 200), the summary counted what was read from the file
+    (`streamed 0 s: video 2 s, no audio track`) and the command exited 0 having streamed nothing. Now the summary
+    counts what became units (the session's stats()["media"]) and what was skipped and why, and it exits 1."""
+    import cv2
+
+    strip = tmp_path / "strip.avi"
+    writer = cv2.VideoWriter(str(strip), cv2.VideoWriter_fourcc(*"MJPG"), 1, (402, 2))
+    for k in range(3):
+        writer.write(np.full((2, 402, 3), 100 + 20 * k, np.uint8))
+    writer.release()
+    out = tmp_path / "o.json"
+    r = omnitide("stream", "--model", tiny_checkpoints["qwen"], "--video", strip, "--no-progress", "--json", out)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "streamed 0 of 2 s: video 0 s, no audio track" in r.stderr, r.stderr
+    assert "skipped 2 s (video 2 s): image aspect ratio 201 is over 200" in r.stderr, r.stderr
+    assert "nothing was streamed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    d = json.loads(out.read_text())  # the results are still written
+    assert d["media"]["units"] == 0 and d["media"]["video_seconds"] == 0
+    assert d["media"]["skipped"] == {"units": 2, "video_seconds": 2, "audio_seconds": 0.0, "silence_seconds": 0.0,
+                                     "reasons": ["image aspect ratio 201 is over 200"]}

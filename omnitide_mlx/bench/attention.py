@@ -20,7 +20,7 @@ from ..core.page import AllocClass, MigrationPlan, PageTable
 from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
 from ..models.stream_units import resolve_profile
-from ..core.sim import LAYOUT_NAMES
+from ..core.layout import LAYOUT_NAMES
 from ..kernels import dispatch, plan_tiles, reference_attention, tile_skip_attention
 from ..kernels import attention as attn
 from ..kernels.cost import limit  # noqa: F401  (the key-count limit; one definition, shared with the cost model)
@@ -238,7 +238,7 @@ def goals(rows: list[dict]) -> dict:
     for phase in ("prefill", "decode"):
         for h in sorted({r["history"] for r in rows}):
             by = {r["layout"]: r for r in skip if r["phase"] == phase and r["history"] == h}
-            if not {"native", "omnipage", "eager"} <= set(by):
+            if not set(LAYOUT_NAMES) <= set(by):
                 continue
             mig = by["omnipage"].get("migration_ms", 0.0) if phase == "prefill" else 0.0
             entry = {"phase": phase, "history": h, "tiles": {n: by[n]["tiles"] for n in by}, "migration_ms": mig}

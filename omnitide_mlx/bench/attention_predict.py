@@ -14,7 +14,7 @@ import numpy as np
 
 from ..core.page import AllocClass
 from ..models.stream_units import resolve_profile
-from ..core.sim import LAYOUT_NAMES
+from ..core.layout import LAYOUT_NAMES
 from ..kernels import cost
 from ..kernels.attention import TilePlan, plan_tiles
 

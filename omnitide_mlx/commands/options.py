@@ -14,6 +14,8 @@ import os
 import re
 from pathlib import Path
 
+from ..errors import OmniTideError
+
 POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
 DEFAULT_HIGH, DEFAULT_LOW = 2500, 1800  # the paper's watermarks (core.pick.RetentionPolicy's defaults)
 LOW_RATIO = 0.72  # low / high when only one number is given (--high alone, --max-kv-size, --kv-budget): 1800/2500
@@ -21,7 +23,7 @@ LOW_PCT = f"{LOW_RATIO:.0%}%"  # for argparse help, where % must be doubled
 MAX_KV_BUDGET = 1 << 50  # 1 PiB: anything larger is a typo, not a budget
 
 
-class UsageError(ValueError):
+class UsageError(OmniTideError, ValueError):
     """A flag value or a combination of flags that cannot work; raised before anything is loaded."""
 
 

@@ -21,6 +21,7 @@ examples:
   omnitide simulate --profile qwen2.5-omni-7b --policy streamingllm --migration ordered_suffix
 """
 
+from ..core.layout import OMNIPAGE_MIGRATIONS
 from .options import (POLICIES, UsageError, add_progress_argument, check_output_file, non_negative_int,  # noqa: F401
                       positive_int)
 
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .options import add_media_arguments
 
     add_media_arguments(p)
-    p.add_argument("--migration", choices=["class_aware", "ordered_suffix"], default="class_aware",
+    p.add_argument("--migration", choices=list(OMNIPAGE_MIGRATIONS), default=OMNIPAGE_MIGRATIONS[0],
                    help="OmniPage migration: class_aware (tile-skipping kernels, the MLX path; default) or "
                         "ordered_suffix (span-traversing kernels)")
     p.add_argument("--min-gain-pages", type=positive_int, default=1, help="ordered_suffix: least span gain in pages (1)")
@@ -73,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     from omnitide_mlx.core.page import LayoutError
     from omnitide_mlx.core.pick import RetentionError, make_policy
     from omnitide_mlx.core.profiles import ProfileError, StreamSpec
-    from omnitide_mlx.core.sim import SimError, Simulator, plot_result
+    from omnitide_mlx.core.sim import SimError, Simulator
     from omnitide_mlx.core.stream_units import watermark_guard
     from omnitide_mlx.models.stream_units import resolve_profile
+    from omnitide_mlx.plots.simulate import plot_result
 
     from .options import UsageError, media_setting
 

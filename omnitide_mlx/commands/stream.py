@@ -199,6 +199,70 @@ def kv_summary(s: dict) -> str:
             f"low {s['low']})")
 
 
+class ChunkTally:
+    """What each chunk of a ``MediaStream`` held (a frame, seconds of the file's audio, seconds of padding), summed
+    separately for the chunks the session took and the ones it rejected, so the summary says what became units and
+    what was skipped (and why) instead of what was read from the files."""
+
+    def __init__(self, has_audio: bool):
+        self.has_audio = has_audio
+        self.ok = {"video_seconds": 0, "audio_seconds": 0.0, "silence_seconds": 0.0}
+        self.skip = {"video_seconds": 0, "audio_seconds": 0.0, "silence_seconds": 0.0}
+        self.skipped_units = 0
+        self.reasons: list[str] = []  # distinct, in the order they first came
+        self._read = (0.0, 0.0)  # the stream's audio and padding seconds counted so far
+
+    def add(self, chunk, media, skipped: str | None = None) -> None:
+        """Count ``chunk``, just read from ``media``: its running totals say how many seconds of the file's audio
+        and of padding the chunk holds."""
+        side = self.skip if skipped is not None else self.ok
+        side["video_seconds"] += chunk.frame is not None
+        side["audio_seconds"] += media.audio_seconds - self._read[0]
+        side["silence_seconds"] += media.silence_seconds - self._read[1]
+        self._read = (media.audio_seconds, media.silence_seconds)
+        if skipped is not None:
+            self.skipped_units += 1
+            if skipped not in self.reasons:
+                self.reasons.append(skipped)
+
+    def streamed(self, media_stats: dict) -> dict:
+        """Seconds of each track that became units, from the session's ``stats()["media"]`` (frames, and seconds
+        of audio it was pushed plus any silence it added); the part of that audio that was the file's padding comes
+        from the chunks the session took."""
+        total = media_stats["audio_seconds"] + media_stats["silence_seconds"]
+        silence = min(total, self.ok["silence_seconds"] + media_stats["silence_seconds"])
+        return {"video_seconds": int(media_stats["frames"]), "audio_seconds": round(total - silence, 3),
+                "silence_seconds": round(silence, 3)}
+
+    def skipped_json(self) -> dict:
+        return {"units": self.skipped_units, "video_seconds": self.skip["video_seconds"],
+                "audio_seconds": round(self.skip["audio_seconds"], 3),
+                "silence_seconds": round(self.skip["silence_seconds"], 3), "reasons": list(self.reasons)}
+
+    def _tracks(self, d: dict, video: bool) -> str:
+        parts = [f"video {d['video_seconds']} s"] if video else []
+        if self.has_audio:
+            a = f"audio {d['audio_seconds']:.1f} s"
+            if d["silence_seconds"] >= 0.05:
+                a += f" (+ {d['silence_seconds']:.1f} s of silence)"
+            parts.append(a)
+        elif video:
+            parts.append("no audio track")
+        return ", ".join(parts)
+
+    def summary(self, units: int, done: dict, video: bool) -> list[str]:
+        """``streamed N s: ...`` (``streamed N of M s`` when chunks were skipped), then a ``skipped`` line naming the
+        reasons."""
+        if not self.skipped_units:
+            return [f"streamed {units} s: {self._tracks(done, video)}"]
+        n = self.skipped_units
+        tracks = self._tracks(self.skip, video).replace(", no audio track", "")
+        others = len(self.reasons) - 1
+        why = self.reasons[0] + (f" (and {others} other reason{'s' if others > 1 else ''})" if others else "")
+        return [f"streamed {units} of {units + n} s: {self._tracks(done, video)}",
+                f"skipped {n} s ({tracks}): {why}"]
+
+
 def write_json_atomic(path: Path, data) -> None:
     """Write then rename: a crash never leaves half a file where results were."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +344,7 @@ def run(args) -> int:
             answers.append({"t": t, "question": q, "answer": "".join(answer)})
 
     streamed = 0
+    tally = ChunkTally(has_audio=media.audio_path is not None)
     error = None
     try:
         ask_due(0.0)
@@ -289,7 +354,9 @@ def run(args) -> int:
             try:
                 session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
                 streamed += 1
+                tally.add(chunk, media)
             except MediaError as e:  # a bad chunk is skipped, the stream goes on
+                tally.add(chunk, media, skipped=str(e))
                 progress.write(f"skipped the chunk at {chunk.t:g}s: {e}", file=sys.stderr)
             progress.update(1)
             ask_due(chunk.t + 1.0)
@@ -300,20 +367,25 @@ def run(args) -> int:
         progress.close()
 
     s = session.stats()
-    print(f"\nstreamed {streamed} s: {media.summary()}", file=sys.stderr)
+    done = tally.streamed(s["media"])
+    print("", file=sys.stderr)
+    for line in tally.summary(streamed, done, video=args.video is not None):
+        print(line, file=sys.stderr)
     print(kv_summary(s), file=sys.stderr)
     status = 0
     if error is not None:
         print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
+        status = 1
+    elif streamed == 0 and tally.skipped_units:
+        print(f"omnitide stream: nothing was streamed: the session rejected all {tally.skipped_units} chunks "
+              f"({tally.reasons[0]})", file=sys.stderr)
         status = 1
     if args.json:
         if speaker.enabled:
             for a, f in zip(answers, speaker.files):
                 a["speech"] = f
         out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
-               "media": {"units": streamed, "video_seconds": media.frames if args.video else 0,
-                         "audio_seconds": round(media.audio_seconds, 3),
-                         "silence_seconds": round(media.silence_seconds, 3)}}
+               "media": {"units": streamed, **done, "skipped": tally.skipped_json()}}
         try:
             write_json_atomic(Path(args.json).expanduser(), out)
         except OSError as e:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .layout import LAYOUT_NAMES
 from .page import MigrationPlan, MigrationPlanner, PageTable
 from .pick import make_policy
 from .profiles import ModelProfile, StreamSpec, get_profile
-from .sim import LAYOUT_NAMES, Simulator
+from .sim import Simulator
 
 @dataclass
 class RecordingPlanner(MigrationPlanner):

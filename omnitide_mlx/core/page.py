@@ -30,10 +30,12 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from .errors import OmniTideError
+
 FREE = -1
 
 
-class LayoutError(ValueError):
+class LayoutError(OmniTideError, ValueError):
     """A bad request to the page table: an unknown slot, a double free, an illegal migration plan, ..."""
 
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .errors import OmniTideError
 from .page import AllocClass, LayoutError, LayoutStats, MigrationPlan, PageTable, check_move_order
 
 CACHE_FORMAT = "omnitide-cache/1"  # both backends write it: a file saved by one loads in the other
@@ -22,7 +23,7 @@ TABLE_SCALARS = ("page_size", "subblock_size", "placement", "capacity", "next_se
 ROUNDINGS = ("stochastic", "nearest")
 
 
-class CacheError(ValueError):
+class CacheError(OmniTideError, ValueError):
     """Misuse of the cache: a step left open, shapes that do not match, a plan for another layout, ..."""
 
 

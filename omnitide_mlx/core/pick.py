@@ -32,13 +32,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .errors import OmniTideError
+from .layout import LAYOUT_NAMES
 from .units import History, Span, SpanKind, Unit, UnitError, UnitKind
 
-LAYOUTS = ("native", "omnipage", "eager")
 POSITION_MODES = ("shift", "keep")  # close the gaps (one re-rotation per kept key) or keep the old positions
 
 
-class RetentionError(ValueError):
+class RetentionError(OmniTideError, ValueError):
     """A malformed retention plan or policy configuration (e.g. one that would delete the system prefix)."""
 
 
@@ -265,8 +266,8 @@ class RetentionPolicy:
             raise RetentionError(f"watermarks must be ints, got high={high!r}, low={low!r}")
         if not 0 < low <= high:
             raise RetentionError(f"need 0 < low <= high, got low={low}, high={high}")
-        if layout not in LAYOUTS:
-            raise RetentionError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        if layout not in LAYOUT_NAMES:
+            raise RetentionError(f"unknown layout {layout!r}; choose one of {LAYOUT_NAMES}")
         self.high = int(high)
         self.low = int(low)
         self.layout = layout

@@ -23,11 +23,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .errors import OmniTideError
 from .stream_units import StreamUnits
 from .units import SpanKind, Unit, UnitKind
 
 
-class ProfileError(ValueError):
+class ProfileError(OmniTideError, ValueError):
     """An unknown profile name or a bad stream specification."""
 
 

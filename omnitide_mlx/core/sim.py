@@ -6,12 +6,7 @@ is above the high watermark, every layout frees the deleted tokens' slots, and t
 may move entries. Retention does not depend on the layout, so one history drives all layouts side by side and
 they see exactly the same plans.
 
-Layouts:
-
-- ``native``: first-fit placement (llama.cpp's ``find_slot`` after ``seq_rm``), never moves.
-- ``omnipage``: class-aware placement and selective migration (``class_aware`` for tile-skipping kernels, or
-  ``ordered_suffix`` for span-traversing ones).
-- ``eager``: first-fit placement, and everything packed to a contiguous prefix after every eviction.
+Layouts (native / omnipage / eager) come from the one registry, core/layout.py.
 
 Per update the simulator records the layout after maintenance (retained cells, physical span, active pages and
 subblocks, holes, cells moved, bytes) and the span attention walked during the update's prefill (``peak_span`` is
@@ -25,34 +20,16 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .page import AllocClass, LayoutStats, MigrationPlanner, PageTable
+from .errors import OmniTideError
+from .layout import LAYOUT_NAMES, layout_spec
+from .page import AllocClass, LayoutError, LayoutStats, MigrationPlanner, PageTable
 from .pick import RetentionPolicy, apply_plan, make_policy
 from .profiles import ModelProfile, StreamSpec, build_unit, get_profile
 from .units import History
 
-LAYOUT_NAMES = ("native", "omnipage", "eager")
-MIGRATION_FOR_OMNIPAGE = ("class_aware", "ordered_suffix")
 
-
-class SimError(ValueError):
+class SimError(OmniTideError, ValueError):
     """A bad simulator request (unknown layout, impossible checkpoint, ...)."""
-
-
-def make_layout(name: str, page_size: int = 64, subblock_size: int = 32, migration: str = "class_aware",
-                min_gain_pages: int = 1) -> tuple[PageTable, MigrationPlanner]:
-    """The page table and migration planner of a layout by name (native / omnipage / eager)."""
-    if name == "native":
-        return PageTable(page_size, subblock_size, placement="first_fit"), MigrationPlanner("native")
-    if name == "eager":
-        return PageTable(page_size, subblock_size, placement="first_fit"), MigrationPlanner("eager")
-    if name == "omnipage":
-        if migration not in MIGRATION_FOR_OMNIPAGE:
-            raise SimError(f"OmniPage migration must be one of {MIGRATION_FOR_OMNIPAGE}, got {migration!r}")
-        # paper 6.2: the ordered-suffix mode "replaces class-based placement"
-        placement = "class_aware" if migration == "class_aware" else "first_fit"
-        return (PageTable(page_size, subblock_size, placement=placement),
-                MigrationPlanner(migration, min_gain_pages=min_gain_pages))
-    raise SimError(f"unknown layout {name!r}; choose from {LAYOUT_NAMES}")
 
 
 _STEADY_KEYS = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "prefill_span",
@@ -149,7 +126,10 @@ class Simulator:
             raise SimError("no layout to simulate")
         self.layouts: dict[str, LayoutTrace] = {}
         for name in layouts:
-            table, planner = make_layout(name, page_size, subblock_size, migration, min_gain_pages)
+            try:
+                table, planner = layout_spec(name, migration, min_gain_pages).build(page_size, subblock_size)
+            except LayoutError as e:
+                raise SimError(str(e)) from None
             self.layouts[name] = LayoutTrace(name, table, planner, self.profile.kv_bytes_per_token)
         self.check = check
         self.history = History([self.profile.system_unit(0)])
@@ -310,78 +290,3 @@ def page_table_at(profile: ModelProfile | str, policy: RetentionPolicy | str, la
                   **kw: Any) -> PageTable:
     """The PageTable (slot occupancy, serials, owners, classes) of :func:`snapshot_at`."""
     return snapshot_at(profile, policy, layout, tokens, **kw).table
-
-
-# --- plot -------------------------------------------------------------------------------------------------
-
-_COLORS = {"native": "#c0504d", "omnipage": "#4f81bd", "eager": "#9bbb59"}
-
-
-def plot_result(result: dict, path: str) -> None:
-    """Span against useful cells over time per layout (paper figure 8), active pages over time (what a
-    tile-skipping kernel reads), final useful / waste bars with the peak span (figure 12), and cells moved."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layouts = result["layouts"]
-    fig, axes = plt.subplots(2, 2, figsize=(15, 9), gridspec_kw={"width_ratios": [2.2, 1]})
-    first = next(iter(layouts.values()))["series"]
-    ax = axes[0, 0]
-    ax.plot([r["t"] for r in first], [r["retained_cells"] for r in first], color="black", lw=1.0, ls="--",
-            label="retained (useful) cells")
-    for name, lay in layouts.items():
-        ser = lay["series"]
-        ax.plot([r["t"] for r in ser], [r["physical_span"] for r in ser], color=_COLORS.get(name), lw=1.1,
-                label=f"{name}{'' if lay['migration'] == name else ' (' + lay['migration'] + ')'}: physical span, "
-                      f"mean {lay['mean']['physical_span']:.0f}")
-    ax.set_ylabel("KV slots after each update")
-    ax.set_title(f"{result['profile']} / {result['policy']}: physical span vs useful cells")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
-
-    ax = axes[1, 0]
-    for name, lay in layouts.items():
-        ser = lay["series"]
-        ax.plot([r["t"] for r in ser], [r["active_pages"] for r in ser], color=_COLORS.get(name), lw=1.1,
-                label=f"{name}: mean {lay['mean']['active_pages']:.1f}")
-    ax.set_xlabel("stream time (s)")
-    ax.set_ylabel(f"active {result.get('page_size', 64)}-slot pages")
-    ax.set_title("tiles a tile-skipping kernel reads")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
-
-    ax = axes[0, 1]
-    names = list(layouts)
-    useful = [layouts[n]["final"]["retained_cells"] for n in names]
-    span = [layouts[n]["final"]["physical_span"] for n in names]
-    waste = [sp - u for sp, u in zip(span, useful)]
-    peak = [layouts[n]["peak"]["peak_span"] for n in names]
-    x = np.arange(len(names))
-    ax.bar(x, useful, color="#7f7f7f", label="useful cells")
-    ax.bar(x, waste, bottom=useful, color=[_COLORS.get(n, "#999") for n in names], alpha=0.6,
-           label="span waste (holes)")
-    for i, (sp, u) in enumerate(zip(span, useful)):
-        ax.text(i, sp, f"{sp}\n({sp / max(u, 1):.2f}x)", ha="center", va="bottom", fontsize=8)
-    ax.plot(x, peak, "k-o", lw=1, ms=4, label="cumulative peak span")
-    top = max(peak + span) * 1.3
-    ax.set_ylim(0, top)
-    ax.set_xticks(x, names)
-    ax.set_ylabel("KV slots")
-    ax.set_title(f"final layout (t = {first[-1]['t']:.0f} s)")
-    ax.legend(fontsize=8, loc="upper right")
-
-    ax = axes[1, 1]
-    for name, lay in layouts.items():
-        ser = lay["series"]
-        ax.plot([r["t"] for r in ser], [r["moved_cells_total"] for r in ser], color=_COLORS.get(name), lw=1.3,
-                label=f"{name}: {lay['moved_cells_total']} cells")
-    ax.set_xlabel("stream time (s)")
-    ax.set_ylabel("cells moved (cumulative)")
-    ax.set_title("migration cost")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

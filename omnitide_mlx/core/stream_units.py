@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .errors import OmniTideError
 from .units import Span, SpanKind, Unit, UnitKind
 
 
-class MediaSettingError(ValueError):
+class MediaSettingError(OmniTideError, ValueError):
     """A bad frame size, resolution knob or preset name."""
 
 

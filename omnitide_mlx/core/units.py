@@ -17,8 +17,10 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from .errors import OmniTideError
 
-class UnitError(ValueError):
+
+class UnitError(OmniTideError, ValueError):
     """A malformed unit or history (overlapping spans, spans outside the unit, an empty unit, ...)."""
 
 

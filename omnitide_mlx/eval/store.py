@@ -12,8 +12,10 @@ import json
 import os
 from pathlib import Path
 
+from ..errors import OmniTideError
 
-class RunFolderError(ValueError):
+
+class RunFolderError(OmniTideError, ValueError):
     """The output folder holds results of a different run."""
 
 

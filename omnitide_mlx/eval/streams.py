@@ -16,12 +16,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..errors import MediaError
+from ..errors import MediaError, OmniTideError
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v")
 
 
-class DatasetError(ValueError):
+class DatasetError(OmniTideError, ValueError):
     """A dataset folder or annotation file that cannot be used: says which file and what is wrong."""
 
 

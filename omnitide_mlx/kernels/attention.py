@@ -29,19 +29,17 @@ from importlib import resources
 import mlx.core as mx
 import numpy as np
 
+from ..core.tiles import NO_SEQ, AttentionError, plan_step_tiles
+
 PREFILL_TILE = 64  # OmniPage page = llama.cpp Metal flash-attention KV tile
 DECODE_TILE = 32  # OmniPage subblock = llama.cpp Metal vector-kernel KV block
-_NO_SEQ = np.iinfo(np.int32).max  # key_seq of a free slot: visible to no query
+_NO_SEQ = NO_SEQ  # key_seq of a free slot: visible to no query (core/tiles.py)
 SCORE_BUDGET = 1 << 25  # float32 score elements per query block of the reference path (128 MB)
 DECODE_MAX_RUNS = 128  # few query rows: up to this many runs are scored run by run instead of gathered
 RUN_SCORES_MAX_ROWS = 128  # query rows (heads per KV head x queries) up to which run-by-run scoring beats a gather
 RUN_CHUNK = 1024  # decode blocks score longer runs in pieces (OpenBLAS with 4-7 rows: 3-9 % faster, measured)
 CHUNK_MAX_ROWS = 16  # query rows up to which runs are cut into RUN_CHUNK pieces (decode: the G heads of a KV head)
 METAL_EMPTY = -1.0e30  # the kernel's log-sum-exp of an empty partial (finite: Metal runs with fast math)
-
-
-class AttentionError(ValueError):
-    """Arguments that break the tile_skip_attention contract."""
 
 
 @dataclass(frozen=True)
@@ -70,37 +68,23 @@ class TilePlan:
 
 
 def plan_tiles(slot_seq, q_seq, tiles, tile: int = PREFILL_TILE) -> TilePlan:
-    """Validate the page-table side of the contract and precompute what every layer's call needs."""
+    """Validate the page-table side of the contract and precompute what every layer's call needs: the
+    framework-neutral part is core/tiles.py's (shared with the torch path), the MLX arrays are added here."""
     if not isinstance(tile, (int, np.integer)) or tile < 8 or tile & (tile - 1):
         raise AttentionError(f"tile must be a power of two >= 8 ({PREFILL_TILE} prefill, {DECODE_TILE} decode), "
                              f"got {tile!r}")
-    seq = np.asarray(slot_seq).astype(np.int64, copy=False).reshape(-1)
-    qs = np.asarray(q_seq).astype(np.int64, copy=False).reshape(-1)
-    capacity = int(seq.shape[0])
-    if capacity % tile:
-        raise AttentionError(f"capacity {capacity} is not a multiple of the tile size {tile}")
-    if qs.size and qs.min() < 0:
-        raise AttentionError("q_seq must be >= 0")
-    t = np.asarray(tiles, dtype=np.int64).reshape(-1)
-    t = np.sort(t)
-    if t.size:
-        if t[0] < 0 or t[-1] >= capacity // tile:
-            raise AttentionError(f"tile ids must lie in [0, {capacity // tile}), got [{t[0]}, {t[-1]}]")
-        if np.any(t[1:] == t[:-1]):
-            raise AttentionError("tile ids must be unique")
-    key = np.where(seq < 0, _NO_SEQ, seq)
-    tile_min = key.reshape(-1, tile)[t].min(axis=1) if t.size else np.zeros(0, np.int64)
+    step = plan_step_tiles(np.asarray(slot_seq).reshape(-1), np.asarray(q_seq).reshape(-1), tile, tiles)
     return TilePlan(
-        tile=tile,
-        capacity=capacity,
-        tiles=t,
-        tile_min=tile_min,
-        q_seq_np=qs,
-        slot_seq=mx.array(seq.astype(np.int32)),
-        key_seq=mx.array(key.astype(np.int32)),
-        q_seq=mx.array(qs.astype(np.int32)),
-        tiles_mx=mx.array(t.astype(np.int32)),
-        key_np=key,
+        tile=step.tile,
+        capacity=step.capacity,
+        tiles=step.tiles,
+        tile_min=step.tile_min,
+        q_seq_np=step.q_seq,
+        slot_seq=mx.array(step.key_seq.astype(np.int32)),
+        key_seq=mx.array(step.visible_key.astype(np.int32)),
+        q_seq=mx.array(step.q_seq.astype(np.int32)),
+        tiles_mx=mx.array(step.tiles.astype(np.int32)),
+        key_np=step.visible_key,
     )
 
 
@@ -320,7 +304,8 @@ def _attend_block(q, k_buf, v_buf, blk: _Block, q_seq: mx.array, scale: float, g
 
 @functools.lru_cache(maxsize=None)
 def metal_source(name: str) -> str:
-    """The text of ``kernels/metal/<name>.metal`` (shipped inside the package)."""
+    """The text of ``<name>.metal`` from the repository's top-level ``metal/`` folder, which the package reaches as
+    ``kernels/metal`` (a symlink in a checkout; copied into the wheel as package data, pyproject.toml)."""
     return resources.files(__package__).joinpath("metal", f"{name}.metal").read_text()
 
 

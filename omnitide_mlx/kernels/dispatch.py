@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ..errors import OmniTideError
 from . import cost
 
 PATHS = ("reference", "vector", "gather", "dense")
@@ -33,7 +34,7 @@ _ALIASES = {"metal": "vector"}
 CALIBRATION_REPS = 3
 
 
-class KernelPathError(RuntimeError):
+class KernelPathError(OmniTideError, RuntimeError):
     """A forced path that cannot run here (bad OMNITIDE_KERNELS value, no Metal, unsupported head dim)."""
 
 

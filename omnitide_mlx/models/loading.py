@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..errors import OmniTideError
+
 if TYPE_CHECKING:  # path resolution and config reading work without MLX (the torch path uses them)
     import mlx.core as mx
     import mlx.nn as nn
@@ -23,7 +25,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(OmniTideError, ValueError):
     """A model that cannot be found or does not load: says which and why."""
 
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import OmniTideError
 from .config import Limits
 
 
-class ClientError(Exception):
+class ClientError(OmniTideError):
     """A request the server refuses: ``code`` is stable for programs, ``message`` says what to change."""
 
     def __init__(self, code: str, message: str, status: int = 400):

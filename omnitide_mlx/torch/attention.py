@@ -34,12 +34,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..core.tiles import AttentionError, plan_step_tiles
+
 KERNELS = ("flex", "sdpa", "reference")
 FLEX_Q_BLOCK = 128  # query rows per FlexAttention block (its default sparse block size)
-
-
-class AttentionError(ValueError):
-    """Inputs that break the attention contract (shapes, a step with no visible key, an unknown kernel)."""
 
 
 @dataclass
@@ -62,21 +60,16 @@ class StepPlan:
 
 
 def plan_step(key_seq: np.ndarray, q_seq: np.ndarray, page_size: int, device) -> StepPlan:
-    """The step's visibility and active pages. ``key_seq`` covers the whole buffer (a multiple of ``page_size``)."""
-    key_seq = np.array(key_seq, dtype=np.int64)  # a copy: the table's arrays are read-only and change later
-    q_seq = np.array(q_seq, dtype=np.int64)
-    if key_seq.ndim != 1 or key_seq.size % page_size:
-        raise AttentionError(f"key_seq must cover whole pages of {page_size} slots, got {key_seq.shape}")
-    if q_seq.ndim != 1 or q_seq.size == 0:
+    """The step's visibility and active pages (the occupied ones). ``key_seq`` covers the whole buffer (a multiple
+    of ``page_size``). The numpy part is core/tiles.py's, shared with the MLX path; the tensors are added here."""
+    step = plan_step_tiles(key_seq, q_seq, page_size)
+    if step.q_seq.size == 0:
         raise AttentionError("a step has at least one query")
-    occupied = (key_seq >= 0).reshape(-1, page_size).any(axis=1)
-    pages = np.flatnonzero(occupied)
-    if pages.size == 0:
+    if step.n_tiles == 0:
         raise AttentionError("no slot is occupied: the step's own tokens must be in key_seq")
-    span = int(pages[-1] + 1) * page_size
-    return StepPlan(key_seq=torch.as_tensor(key_seq, device=device), q_seq=torch.as_tensor(q_seq, device=device),
-                    pages=pages, page_size=page_size, span=span, tokens=int(q_seq.size), _key_seq_np=key_seq,
-                    _q_seq_np=q_seq)
+    return StepPlan(key_seq=torch.as_tensor(step.key_seq, device=device),
+                    q_seq=torch.as_tensor(step.q_seq, device=device), pages=step.tiles, page_size=page_size,
+                    span=step.span, tokens=int(step.q_seq.size), _key_seq_np=step.key_seq, _q_seq_np=step.q_seq)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..core.layout import LAYOUT_NAMES, migration_variants
 from ..core.layout_checkpoints import Checkpoint, checkpoint_simulator, parse_histories, record_checkpoints
 from ..core.page import AllocClass, MigrationPlan, PageTable
 from ..core.paged_cache import TABLE_ARRAYS, table_meta
@@ -42,12 +43,12 @@ from ..core.pick import make_policy
 from ..core.profiles import PROFILES
 from ..models.stream_units import resolve_profile
 from ..bench.report import write_outputs
-from ..core.sim import LayoutTrace, make_layout
+from ..core.sim import LayoutTrace
 from .attention import attend, plan_step
 from .cache import OmniTorchCache
 
 HELP = "time dense attention against flex / SDPA attention on the OmniPick layouts, in PyTorch"
-LAYOUTS = ("native", "ordered_suffix", "class_aware", "eager")
+LAYOUTS = tuple(migration_variants())  # native, ordered_suffix, class_aware, eager: OmniPage once per mode
 _NEW_UID = 1 << 40
 
 
@@ -55,9 +56,9 @@ def checkpoints(profile, histories: list[int], *, policy: str = "omnipick", seed
                 **policy_kw) -> list[Checkpoint]:
     """Stream once through every checkpoint (ascending), the four layouts side by side."""
     sim = checkpoint_simulator(resolve_profile(profile), histories, policy=policy, seed=seed, question_every=question_every,
-                               layouts=("native", "omnipage", "eager"), migration="ordered_suffix", **policy_kw)
+                               layouts=LAYOUT_NAMES, migration="ordered_suffix", **policy_kw)
     sim.layouts["ordered_suffix"] = sim.layouts.pop("omnipage")
-    table, planner = make_layout("omnipage", migration="class_aware")
+    table, planner = migration_variants()["class_aware"].build()
     table.allocate(sim.history[0].length, 0, AllocClass.MUST_KEEP)
     sim.layouts["class_aware"] = LayoutTrace("class_aware", table, planner, sim.profile.kv_bytes_per_token)
     return record_checkpoints(sim, histories, LAYOUTS)

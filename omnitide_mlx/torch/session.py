@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.sim import make_layout
+from ..core.layout import OMNIPAGE_MIGRATIONS, make_layout
 from ..engine import Sampling, StreamingSession
 from .cache import OmniTorchCache
 
-MIGRATIONS = ("ordered_suffix", "class_aware")
+MIGRATIONS = tuple(reversed(OMNIPAGE_MIGRATIONS))  # the default first: ordered_suffix
 
 
 class TorchBackend:

@@ -11,15 +11,8 @@ from omnitide_mlx.cli import main as cli_main
 from omnitide_mlx.core.page import AllocClass
 from omnitide_mlx.core.pick import H2O, OmniPick, StreamingLLM, make_policy
 from omnitide_mlx.core.profiles import PROFILES, ProfileError, StreamSpec, get_profile
-from omnitide_mlx.core.sim import (
-    LAYOUT_NAMES,
-    SimError,
-    Simulator,
-    make_layout,
-    page_table_at,
-    simulate,
-    snapshot_at,
-)
+from omnitide_mlx.core.layout import LAYOUT_NAMES
+from omnitide_mlx.core.sim import SimError, Simulator, page_table_at, simulate, snapshot_at
 from omnitide_mlx.core.units import SpanKind
 from omnitide_mlx.models.stream_units import resolve_profile
 
@@ -150,15 +143,11 @@ def test_page_table_at_a_no_slide_checkpoint():
         page_table_at(paper("minicpm-o-4.5"), "full", "native", 3)
 
 
-def test_layouts_by_name():
-    t, p = make_layout("omnipage", migration="ordered_suffix", min_gain_pages=3)
-    assert t.placement == "first_fit" and p.mode == "ordered_suffix" and p.min_gain_pages == 3
-    t, p = make_layout("omnipage")
-    assert t.placement == "class_aware" and p.mode == "class_aware"
+def test_the_simulator_refuses_an_unknown_layout_or_migration():
     with pytest.raises(SimError, match="unknown layout"):
-        make_layout("vattention")
+        Simulator(paper("minicpm-o-4.5"), "omnitide", StreamSpec(10), ("native", "vattention"))
     with pytest.raises(SimError, match="migration"):
-        make_layout("omnipage", migration="eager")
+        Simulator(paper("minicpm-o-4.5"), "omnitide", StreamSpec(10), migration="eager")
 
 
 def test_h2o_and_streamingllm_run_in_the_simulator():

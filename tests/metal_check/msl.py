@@ -28,8 +28,9 @@ import mlx.core as mx
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHIM = os.path.join(HERE, "metal_shim.h")
-EMU = os.path.join(HERE, "metal_emu.h")
+HEADERS = os.path.join(HERE, os.pardir, os.pardir, "metal", "checker")  # the repository's top-level metal/
+SHIM = os.path.normpath(os.path.join(HEADERS, "metal_shim.h"))
+EMU = os.path.normpath(os.path.join(HEADERS, "metal_emu.h"))
 CACHE = os.environ.get("MSL_EMU_CACHE", os.path.join(tempfile.gettempdir(), "omnitide_msl_emu"))
 CLANG_FLAGS = ["-std=c++17", "-Wno-unknown-attributes", "-Wno-user-defined-literals", "-ferror-limit=50"]
 ATTRS = ("thread_position_in_grid thread_position_in_threadgroup threadgroup_position_in_grid "

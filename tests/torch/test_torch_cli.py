@@ -94,3 +94,22 @@ def test_cli_stream_and_bench_with_the_torch_backend(tiny_qwen, media_dir, tmp_p
                                                                               "class_aware", "eager"}
     assert main(["stream", "--model", str(tiny_qwen), "--device", "cpu", "--video",
                  str(media_dir / "video_10s_av.mp4"), "--seconds", "1", "--quiet"]) == 2  # --device needs torch: a usage error before loading
+
+
+def test_a_kv_budget_that_holds_no_unit_on_the_torch_backend_fails_after_loading(tiny_qwen, media_dir):
+    """The torch backend checks --kv-budget against a unit only once the model is loaded (it must not import the
+    MLX port's budget figures). Before: every chunk was skipped ('the media unit is 153 tokens; the KV budget ...'),
+    the summary said `streamed 0 s: video 2 s, audio 2.0 s` (what was read) and the command exited 0. Now it says
+    what became units and what was skipped and why, and exits 1."""
+    from omnitide_mlx.models.budget import kv_need
+
+    need = kv_need(tiny_qwen)
+    budget = 192 * need.bytes_per_token  # three pages: the system prompt's and two for a unit of ~150 tokens
+    r = subprocess.run([sys.executable, "-m", "omnitide_mlx", "stream", "--backend", "torch", "--device", str(DEVICE),
+                        "--model", str(tiny_qwen), "--video", str(media_dir / "video_10s_av.mp4"), "--seconds", "2",
+                        "--kv-budget", str(budget), "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "streamed 0 of 2 s: video 0 s, audio 0.0 s" in r.stderr, r.stderr
+    assert "skipped 2 s (video 2 s, audio 2.0 s): the media unit is 153 tokens" in r.stderr, r.stderr
+    assert "or raise kv_budget (and 1 other reason)" in r.stderr, r.stderr  # the later units: 150 tokens
+    assert "nothing was streamed" in r.stderr and "Traceback" not in r.stderr, r.stderr

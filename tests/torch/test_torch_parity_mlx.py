@@ -82,3 +82,26 @@ def test_a_cache_saved_by_mlx_loads_in_torch(mlx_qwen, tmp_path, clip_chunks):
         np.testing.assert_array_equal(lt.keys.numpy(), np.array(lm.keys))
         np.testing.assert_array_equal(lt.values.numpy(), np.array(lm.values))
     c.page_table.check_history(s.history)
+
+
+def test_both_attention_paths_plan_a_step_with_the_shared_core_plan():
+    """One AttentionError and one tile plan (core/tiles.py): the MLX plan over the occupied tiles and the torch plan
+    see the same tiles, smallest serials and query serials."""
+    from omnitide_mlx.core import tiles
+    from omnitide_mlx.kernels import AttentionError as MLXAttentionError
+    from omnitide_mlx.kernels import plan_tiles
+    from omnitide_mlx.torch.attention import AttentionError as TorchAttentionError
+    from omnitide_mlx.torch.attention import plan_step
+
+    assert MLXAttentionError is TorchAttentionError is tiles.AttentionError
+    rng = np.random.default_rng(0)
+    key = np.full(8 * 64, -1, dtype=np.int64)
+    used = np.sort(rng.choice(key.size, 150, replace=False))
+    key[used] = rng.permutation(150)
+    q = np.arange(148, 150)
+    occupied = tiles.plan_step_tiles(key, q, 64).tiles
+    m, t = plan_tiles(key, q, occupied, 64), plan_step(key, q, 64, "cpu")
+    assert m.tiles.tolist() == t.pages.tolist() == occupied.tolist()
+    assert m.q_seq_np.tolist() == t._q_seq_np.tolist() == q.tolist()
+    assert m.active_slots == t.active_slots
+    assert m.tile_min.tolist() == [int(key[p * 64:(p + 1) * 64][key[p * 64:(p + 1) * 64] >= 0].min()) for p in occupied]

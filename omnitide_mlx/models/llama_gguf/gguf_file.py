@@ -18,8 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ...errors import OmniTideError
 
-class GGUFError(ValueError):
+
+class GGUFError(OmniTideError, ValueError):
     """A GGUF file that cannot be used here: says which file and why."""
 
 
