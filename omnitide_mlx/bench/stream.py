@@ -712,8 +712,11 @@ def add_limits(rows: list[dict], bench: ModelShape, real: ModelShape) -> None:
         # the same chunk's non-attention work as full context, plus this row's attention FLOPs at full's rate
         predicted = full_dense_ms + (r["flops"] - dense) * full["attention_cpu_ms"] / full_att_flops + r[
             "maintenance_ms"]
+        # an estimate from separately probed times: on a loaded machine the probed attention can exceed the
+        # update's own time, and then there is no estimate (None) rather than a negative one
+        cost_limit = round(full["update_cpu_ms"] / predicted, 4) if full_dense_ms > 0 and predicted > 0 else None
         r.update({
-            "cpu_cost_limit": round(full["update_cpu_ms"] / predicted, 4),
+            "cpu_cost_limit": cost_limit,
             "flop_limit": round(lim, 4), "flop_limit_real_model": round(real_lim, 4),
             "flop_limit_no_chunk_skip": round(loose, 4),
             "speedup": round(full["update_ms"] / r["update_ms"], 4),
@@ -725,7 +728,7 @@ def add_limits(rows: list[dict], bench: ModelShape, real: ModelShape) -> None:
         for k, l in (("speedup", lim), ("cpu_speedup", lim), ("attention_speedup", key_lim),
                      ("attention_cpu_speedup", key_lim)):
             r[k.replace("speedup", "ratio_to_limit")] = round(r[k] / l, 4)
-        r["cpu_ratio_to_cost_limit"] = round(r["cpu_speedup"] / r["cpu_cost_limit"], 4)
+        r["cpu_ratio_to_cost_limit"] = round(r["cpu_speedup"] / cost_limit, 4) if cost_limit else None
 
 
 # --- sessions -------------------------------------------------------------------------------------------------
