@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 # name -> module; a module is listed here once its command works
 COMMANDS: dict[str, str] = {
@@ -44,11 +45,28 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    show = warnings.showwarning
+    warnings.showwarning = _own_warnings_as_messages(f"omnitide {args.command}", show)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = show
+
+
+def _own_warnings_as_messages(prog: str, show):
+    """A ``warnings.showwarning`` that prints this package's own warnings (RetentionWarning, KernelFallbackWarning,
+    ...) as ``<prog>: warning: <message>``: they point at their caller's line, which for a command is runpy's
+    (``<frozen runpy>:88: RetentionWarning: ...``). Other warnings go to ``show`` unchanged."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not category.__module__.startswith("omnitide_mlx"):
+            return show(message, category, filename, lineno, file, line)
+        print(f"{prog}: warning: {message}", file=file if file is not None else sys.stderr, flush=True)
+
+    return showwarning
 
 
 if __name__ == "__main__":

@@ -396,3 +396,14 @@ def test_a_stream_whose_every_chunk_is_rejected_fails_and_says_what_was_skipped(
     assert d["media"]["units"] == 0 and d["media"]["video_seconds"] == 0
     assert d["media"]["skipped"] == {"units": 2, "video_seconds": 2, "audio_seconds": 0.0, "silence_seconds": 0.0,
                                      "reasons": ["image aspect ratio 201 is over 200"]}
+
+
+def test_the_sessions_own_warnings_read_as_the_commands_messages(tiny_checkpoints, media_dir):
+    """issue 15 item 8 (output a person can read): `--high 100` streamed with a RetentionWarning printed as
+    `<frozen runpy>:88: RetentionWarning: the low watermark ...` (the warning points at its caller's line, which
+    for the command is runpy's). Now it is `omnitide stream: warning: ...`, on a line of its own."""
+    r = omnitide("stream", "--model", tiny_checkpoints["qwen"], "--video", media_dir / "video_10s_av.mp4",
+                 "--seconds", 1, "--high", 100, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "\nomnitide stream: warning: the low watermark (72 tokens) cannot hold" in r.stderr, r.stderr
+    assert "runpy" not in r.stderr and "RetentionWarning" not in r.stderr, r.stderr

@@ -37,8 +37,15 @@ def test_the_torch_backend_implements_the_protocol():
 
 
 def test_sessions_override_no_private_engine_method():
-    engine = {k for k in vars(StreamingSession) if k.startswith("_") and not k.startswith("__")}
-    assert engine & set(vars(OmniSession)) == set()
+    parts = StreamingSession.__mro__[:-1]  # the engine and its parts (streaming/), object excluded
+    engine = {k for c in parts for k in vars(c) if k.startswith("_") and not k.startswith("__")}
+    assert len(engine) > 30 and engine & set(vars(OmniSession)) == set()
+    seen = {}
+    for c in parts:  # no part overrides another's method either
+        for k, v in vars(c).items():
+            if callable(v) and not k.startswith("__"):
+                assert k not in seen, f"{k} in {seen.get(k)} and {c.__name__}"
+                seen[k] = c.__name__
 
 
 def test_a_session_built_with_a_backend(tiny_checkpoints):

@@ -17,12 +17,13 @@ embeddings drawn once and reused, so no encoder runs (their cost does not depend
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
 from ..core.profiles import PROFILES, ModelProfile
+from ..core.shapes import ModelShape
 from ..core.stream_units import MediaSetting, StreamUnits
 from ..core.units import SpanKind, UnitKind
 from ..models.base import KVSpec, PreparedUnit, StreamAdapter, spans_from_runs, text_positions
@@ -30,43 +31,13 @@ from ..models.stream_units import resolve_profile
 from ..rope import RopeSpec
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The language model's real shape (declared once, in core/profiles.py)."""
-
-    name: str
-    family: str  # "qwen2_5_omni" (Qwen2 decoder, q/k/v biases, M-RoPE) or "minicpmo" (Qwen3: q/k norms, 1-D RoPE)
-    layers: int
-    hidden: int
-    intermediate: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    rope_theta: float = 1e6
-
-    @classmethod
-    def of(cls, p: ModelProfile) -> "ModelShape":
-        return cls(p.name, p.family, p.layers, p.hidden, p.intermediate, p.q_heads, p.kv_heads, p.head_dim, p.vocab,
-                   p.rope_theta)
-
-    def linear_macs_per_token(self) -> int:
-        """Multiply-adds of one token through one layer's projections and MLP (norms, RoPE, biases left out)."""
-        q = self.q_heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        return self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 3 * self.hidden * self.intermediate
-
-    def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in ("name", "family", "layers", "hidden", "intermediate", "q_heads",
-                                               "kv_heads", "head_dim", "vocab", "rope_theta")}
-
-
 # for the CI smoke test only: a small Qwen3-style model with MiniCPM-style units (seconds, not minutes); its units
 # are made up (a 32-token source image, 2 slices of 16, 4 audio tokens), so they are written here. head_dim 32: the
 # smallest MLX quantisation group (--kv-bits needs head_dim divisible by --kv-group-size 32, 64 or 128)
+TINY_SHAPE = ModelShape("tiny", "minicpmo", layers=2, hidden=64, intermediate=128, q_heads=4, kv_heads=2, head_dim=32,
+                        vocab=256, rope_theta=1e4, source="made up for the CI smoke test")
 TINY_PROFILE = ModelProfile(
-    name="tiny", display="tiny (CI)", family="minicpmo", rope_axes=1, layers=2, kv_heads=2, head_dim=32, q_heads=4,
-    hidden=64, intermediate=128, vocab=256, rope_theta=1e4, system_tokens=8, high=200, low=140,
+    name="tiny", display="tiny (CI)", rope_axes=1, shape=TINY_SHAPE, system_tokens=8, high=200, low=140,
     pick={"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2, "text_budget": 32},
     units=StreamUnits.sequential("minicpmo", MediaSetting(name="tiny"), [
         (SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SOURCE, 32), (SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SLICE, 16),
@@ -74,8 +45,8 @@ TINY_PROFILE = ModelProfile(
         (SpanKind.BOUNDARY, 2)]),
     notes="benchmark smoke tests only")
 
-SHAPES: dict[str, ModelShape] = {**{n: ModelShape.of(p) for n, p in PROFILES.items()},
-                                 "tiny": ModelShape.of(TINY_PROFILE)}
+# the real shapes (core/shapes.py, one per profile) and the CI one
+SHAPES: dict[str, ModelShape] = {**{n: p.shape for n, p in PROFILES.items()}, "tiny": TINY_SHAPE}
 
 
 def profile_for(shape: str, setting: MediaSetting | str | None = None) -> ModelProfile:

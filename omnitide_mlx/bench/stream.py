@@ -63,7 +63,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import DECODE_MAX_TOKENS, OmniCache, OmniLayerCache
-from ..core.page import AllocClass, PageTable
+from ..core.page import PageTable
 from ..core.pick import make_policy
 from ..core.profiles import StreamSpec
 from ..core.sim import Simulator
@@ -184,32 +184,36 @@ class ProfiledBackend(MlxBackend):
                                           placement=placement, collect_scores=collect_scores, **kv_quant)
 
 
-class BenchSession(OmniSession):
-    """OmniSession that remembers the physical span right after each prefill (the span attention walked before
-    maintenance: the peak span counts it) and, per forward step, its tokens and the keys its queries visit (for the
-    session's FLOP count); optionally over a ProfiledOmniCache."""
+class StepCounter:
+    """A backend (``MlxBackend`` or ``ProfiledBackend``) wrapped to note, per forward step, its tokens and the keys
+    its queries visit (for the session's FLOP count), and the physical span right after each unit's prefill (the
+    span attention walked before maintenance: the peak span counts it). The engine variant says which forwards
+    are prefills (``prefills``: how many of the next forwards are); every other call goes to the backend."""
 
-    def __init__(self, model, *, profiled: bool = False, **kw):  # kw: OmniSession's (kv_bits, kv_group_size, ...)
-        self.profiled = profiled
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.quantised_kv = inner.quantised_kv
+        self.steps: list[tuple[int, int]] = []  # (tokens, keys visited) per forward step
+        self.prefills = 1  # the system prompt's, in the session's constructor
         self.prefill_span = 0
         self.peak_span = 0
-        self.steps: list[tuple[int, int]] = []  # (tokens, keys visited) per forward step
-        super().__init__(model, backend=ProfiledBackend() if profiled else MlxBackend(), **kw)
 
-    def _forward(self, embeds, positions):
-        out = super()._forward(embeds, positions)  # evaluation already started (async): the count overlaps it
-        t = int(embeds.shape[0])
-        table = self.cache.page_table
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, model, cache, embeds, positions, *, hidden=False):
+        out = self.inner.forward(model, cache, embeds, positions, hidden=hidden)  # evaluation already started
+        t = int(embeds.shape[0])  # (async): the count overlaps it
+        table = cache.page_table
         slots = np.flatnonzero(table.seq >= table.next_seq - t)
         tile = table.subblock_size if t <= DECODE_MAX_TOKENS else table.page_size
         self.steps.append((t, tile_keys_visited(table, slots, tile)[1]))
+        if self.prefills:
+            self.prefills -= 1
+            self.prefill_span = table.stats().physical_span
+            self.peak_span = max(self.peak_span, self.prefill_span)
         return out
-
-    def _prefill(self, prepared, alloc_class=AllocClass.RECENT_CONTEXT):
-        uid = super()._prefill(prepared, alloc_class)
-        self.prefill_span = self.cache.page_table.stats().physical_span
-        self.peak_span = max(self.peak_span, self.prefill_span)
-        return uid
 
 
 def tile_keys_visited(table: PageTable, slots: np.ndarray, tile: int) -> tuple[int, int]:
@@ -249,15 +253,19 @@ class EngineVariant:
         self.kv_group_size = kv_group_size if self.kv_bits else None
         self.policy = make_policy(self.retention, profile=model.profile)
         quant = {"kv_bits": self.kv_bits, "kv_group_size": kv_group_size} if self.kv_bits else {}
-        self.session = BenchSession(model, policy=self.policy, profiled=profiled, **quant)  # system prompt prefilled
+        self.backend = StepCounter(ProfiledBackend() if profiled else MlxBackend())
+        self.session = OmniSession(model, policy=self.policy, backend=self.backend, **quant)  # system prompt prefilled
         self.spec = self.session.adapter.kv_spec
         self._state = None
 
     # streaming
     def media(self, t: float) -> None:
+        self.backend.prefills = 1  # one unit: a second of audio with its frame
         self.session.push(frame=_FRAME, audio=_SECOND, t=t)
+        self.backend.prefills = 0
 
     def ask(self, n_question: int, n_reply: int) -> None:
+        self.backend.prefills = 1  # the question; then the reply's decode steps and closing tokens
         "".join(self.session.ask(" ".join(["w"] * n_question), max_tokens=n_reply))
 
     def counters(self) -> dict:
@@ -270,15 +278,15 @@ class EngineVariant:
         s = self.session.cache.page_table.stats()
         return {"retained_cells": s.retained_cells, "physical_span": s.physical_span,
                 "active_pages": s.active_pages, "active_subblocks": s.active_subblocks,
-                "kv_bytes": self.session.cache.nbytes, "peak_span": max(self.session.peak_span, s.physical_span),
-                "prefill_span": self.session.prefill_span}
+                "kv_bytes": self.session.cache.nbytes, "peak_span": max(self.backend.peak_span, s.physical_span),
+                "prefill_span": self.backend.prefill_span}
 
     @property
     def kv_bytes(self) -> int:
         return self.session.cache.nbytes
 
     def step_log(self) -> list:
-        return self.session.steps
+        return self.backend.steps
 
     # checkpoint state
     def install(self, table: PageTable, history: History, peak_span: int, rng: np.random.Generator) -> None:
@@ -298,28 +306,23 @@ class EngineVariant:
                     arrays[f"layers.{i}.{part}"] = x
         if cache.kv_bits and cache.kv_rerotate == "deferred":
             arrays["key_shifts"] = mx.zeros((cap,), mx.int32)  # no eviction pending in the installed state
-        ts = table.state()
-        for name in ("slots", "seq", "unit", "cls"):
-            arrays[f"table.{name}"] = mx.array(np.asarray(ts[name], dtype=np.int32))
+        scores = None
         if cache.collect_scores:  # H2O: accumulated attention per slot (any values; retained slots only)
-            arrays["scores"] = mx.array(np.where(table.seq >= 0, rng.gamma(0.3, size=cap), 0.0).astype(np.float32))
+            scores = np.where(table.seq >= 0, rng.gamma(0.3, size=cap), 0.0).astype(np.float32)
         mx.eval(list(arrays.values()))
-        meta = dict(cache.meta_state, capacity=cap, evictions=0, moved_rows=0, rotated_rows=0,
-                    table={k: ts[k] for k in ("page_size", "subblock_size", "placement", "capacity", "next_seq",
-                                              "partial")})
-        self._state = (arrays, meta, list(history.units), peak_span)
+        self._state = (PageTable.from_state(table.state()), arrays, scores, list(history.units), peak_span)
         self.restore()
 
     def restore(self) -> None:
-        arrays, meta, units, peak_span = self._state
+        table, arrays, scores, units, peak_span = self._state
         s = self.session
-        s.cache = type(s.cache).from_state(arrays, meta)
+        s.cache = s.cache.from_table(table, arrays, scores)
         s.history = History(list(units))
         s.counters = SessionCounters()
         s.records = []
         s._last_logits = None
-        s.peak_span = peak_span
-        s.steps = []
+        self.backend.peak_span = peak_span
+        self.backend.steps = []
 
     def release(self) -> None:
         self._state = None
@@ -709,8 +712,11 @@ def add_limits(rows: list[dict], bench: ModelShape, real: ModelShape) -> None:
         # the same chunk's non-attention work as full context, plus this row's attention FLOPs at full's rate
         predicted = full_dense_ms + (r["flops"] - dense) * full["attention_cpu_ms"] / full_att_flops + r[
             "maintenance_ms"]
+        # an estimate from separately probed times: on a loaded machine the probed attention can exceed the
+        # update's own time, and then there is no estimate (None) rather than a negative one
+        cost_limit = round(full["update_cpu_ms"] / predicted, 4) if full_dense_ms > 0 and predicted > 0 else None
         r.update({
-            "cpu_cost_limit": round(full["update_cpu_ms"] / predicted, 4),
+            "cpu_cost_limit": cost_limit,
             "flop_limit": round(lim, 4), "flop_limit_real_model": round(real_lim, 4),
             "flop_limit_no_chunk_skip": round(loose, 4),
             "speedup": round(full["update_ms"] / r["update_ms"], 4),
@@ -722,7 +728,7 @@ def add_limits(rows: list[dict], bench: ModelShape, real: ModelShape) -> None:
         for k, l in (("speedup", lim), ("cpu_speedup", lim), ("attention_speedup", key_lim),
                      ("attention_cpu_speedup", key_lim)):
             r[k.replace("speedup", "ratio_to_limit")] = round(r[k] / l, 4)
-        r["cpu_ratio_to_cost_limit"] = round(r["cpu_speedup"] / r["cpu_cost_limit"], 4)
+        r["cpu_ratio_to_cost_limit"] = round(r["cpu_speedup"] / cost_limit, 4) if cost_limit else None
 
 
 # --- sessions -------------------------------------------------------------------------------------------------

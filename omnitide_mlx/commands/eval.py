@@ -24,7 +24,8 @@ examples:
   omnitide eval table runs/sb-3b runs/svb runs/ls   # the paper's table 2 layout
 """
 
-from .options import add_kv_arguments, non_negative_int, positive_float, positive_int
+from .options import (UsageError, add_kv_arguments, add_media_arguments, media_setting, non_negative_int, positive_float,
+                      positive_int)
 
 PAPER = "full,fifo,token,streamingllm,h2o,omnipick"
 
@@ -95,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name == "livesports":
             b.add_argument("--interval", type=positive_float, default=5.0, help="seconds between commentary steps (default 5)")
         _add_policy_arguments(b, "paper")
+        add_media_arguments(b)
         b.set_defaults(_eval=_run_benchmark, benchmark=name)
 
     s = sub.add_parser("study", help="retention study on real weights: SmolLM2-135M reads a streamed log",
@@ -145,11 +147,17 @@ def _settings(args, default_marks: list[str] | None = None):
 
 def _run_benchmark(args) -> int:
     from ..errors import MediaError
+    from ..core.stream_units import MediaSetting
     from ..eval.runner import RunOptions, run_benchmark
     from ..eval.store import RunFolderError
     from ..eval.streams import DatasetError
     from ..models.loading import CheckpointError
 
+    try:
+        media = media_setting(args)
+    except UsageError as e:
+        print(f"omnitide eval {args.benchmark}: {e}", file=sys.stderr)
+        return 2
     try:
         opts = RunOptions(benchmark=args.benchmark, model=args.model, data=Path(args.data).expanduser(),
                           out=Path(args.out).expanduser(), settings=_settings(args),
@@ -157,7 +165,8 @@ def _run_benchmark(args) -> int:
                           tasks=[t.strip() for t in args.tasks.split(",")] if getattr(args, "tasks", None) else None,
                           system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                           interval=getattr(args, "interval", 5.0), limit=args.limit, skip_missing=args.skip_missing,
-                          overwrite=args.overwrite, model_name=getattr(args, "model_name", "omnitide"))
+                          overwrite=args.overwrite, model_name=getattr(args, "model_name", "omnitide"),
+                          media=None if media == MediaSetting() else media)
         results = run_benchmark(opts, log=lambda m: print(m, file=sys.stderr))
     except (DatasetError, RunFolderError, MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide eval {args.benchmark}: {e}", file=sys.stderr)

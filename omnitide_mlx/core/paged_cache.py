@@ -322,6 +322,23 @@ class PagedKVCache:
             raise CacheError(f"bad page table in the saved state: {e}") from e
         return cache
 
+    def from_table(self, table: PageTable, buffers: dict, scores: np.ndarray | None = None):
+        """A new cache configured as this one that holds ``table`` (its slots, sequence numbers, owners and classes)
+        with ``buffers`` at the table's capacity (the arrays ``state`` names per layer: ``layers.{i}.keys`` /
+        ``.values``, or a quantised cache's packed parts) and, for a score-collecting cache, ``scores`` (one per
+        slot); counters start at zero. The stream benchmark installs a simulated layout with it."""
+        t = table.state()
+        arrays = dict(buffers)
+        for name in TABLE_ARRAYS:
+            arrays[f"table.{name}"] = self._array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
+        if self.collect_scores:
+            if scores is None:
+                raise CacheError("a score-collecting cache needs scores for the table's slots")
+            arrays["scores"] = self._array(np.asarray(scores, dtype=np.float32))
+        meta = dict(self.meta_state, capacity=table.capacity, evictions=0, moved_rows=0, rotated_rows=0,
+                    table=table_meta(t))
+        return type(self).from_state(arrays, meta)
+
     def _check_saved_buffers(self, index: int, keys, values, capacity: int) -> None:
         """A saved layer's K / V must have the cache's shape at ``capacity`` and its dtype."""
         want = (1, self.kv_heads, capacity, self.head_dim)

@@ -1,8 +1,8 @@
 """Model profiles: real shapes, retention defaults, the unit layout they stream, and a deterministic stream generator.
 
 A profile is what the simulator and the benchmarks need to know about a model without loading it: its language
-model's shape (declared here once: layers, query / KV heads, head dim, hidden and MLP sizes, vocabulary, from the
-released configs in ``shared/reference/``), the RoPE layout (1 axis or Qwen's 3-axis TMRoPE), the protected
+model's shape (``core/shapes.py``, declared there once: layers, query / KV heads, head dim, hidden and MLP sizes,
+vocabulary, from the released configs in ``shared/reference/``; the profile reads them through), the RoPE layout (1 axis or Qwen's 3-axis TMRoPE), the protected
 system prefix, the per-model retention defaults, and the media unit it streams.
 
 The media unit is not written here: the model's own layout code computes it for a media setting (frame size,
@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import OmniTideError
+from .shapes import SHAPES, ModelShape
 from .stream_units import StreamUnits
 from .units import SpanKind, Unit, UnitKind
 
@@ -38,16 +39,8 @@ class ModelProfile:
 
     name: str
     display: str
-    family: str  # "qwen2_5_omni" or "minicpmo": the unit layout's owner in models/
     rope_axes: int  # 1: plain RoPE; 3: M-RoPE / TMRoPE (t, h, w)
-    layers: int
-    kv_heads: int
-    head_dim: int
-    q_heads: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    rope_theta: float = 1e6
+    shape: ModelShape  # the language model's shape (core/shapes.py)
     system_tokens: int = 40  # the protected prefix (system prompt + the opening of the user turn)
     kv_dtype_bytes: int = 2  # fp16 KV, as in the paper's runs
     high: int = 2500
@@ -57,10 +50,25 @@ class ModelProfile:
     units: StreamUnits | None = None  # the media unit at a setting (models/stream_units.py fills it in)
     notes: str = ""
 
+    # the shape's figures, read through (declared once, in core/shapes.py)
+    family = property(lambda self: self.shape.family)  # "qwen2_5_omni" or "minicpmo": the unit layout's owner
+    layers = property(lambda self: self.shape.layers)
+    kv_heads = property(lambda self: self.shape.kv_heads)
+    head_dim = property(lambda self: self.shape.head_dim)
+    q_heads = property(lambda self: self.shape.q_heads)
+    hidden = property(lambda self: self.shape.hidden)
+    intermediate = property(lambda self: self.shape.intermediate)
+    vocab = property(lambda self: self.shape.vocab)
+    rope_theta = property(lambda self: self.shape.rope_theta)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
+        return self.shape.kv_bytes_per_token(self.kv_dtype_bytes)
+
+    def with_shape(self, **changes) -> "ModelProfile":
+        """This profile with some shape figures changed (a smaller head count for a quick benchmark, ...)."""
+        return replace(self, shape=replace(self.shape, **changes))
 
     def with_units(self, units: StreamUnits) -> "ModelProfile":
         if units.family != self.family:
@@ -136,29 +144,25 @@ _PICK_DEFAULTS = {"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_si
 _QWEN_SYSTEM = 43  # <|im_start|>system\n + the default Qwen system prompt (37 BPE tokens) + <|im_end|>\n, then <|im_start|>user\n
 _MINICPM_SYSTEM = 15  # <|im_start|>system\nYou are a helpful assistant.\n<|im_end|>\n (12) + <|im_start|>user\n (3)
 
-# shapes from the released configs (shared/reference/): Qwen2.5-Omni-7B / 3B thinkers (Qwen2.5-7B / 3B LLMs),
-# MiniCPM-o 4.5 (Qwen3-8B LLM), MiniCPM-o 2.6 (Qwen2.5-7B LLM).
+# Shapes: core/shapes.py (the released configs, with their sources): Qwen2.5-Omni-7B / 3B thinkers (Qwen2.5-7B / 3B
+# LLMs), MiniCPM-o 4.5 (Qwen3-8B LLM), MiniCPM-o 2.6 (Qwen2.5-7B LLM).
 # Watermarks: the best setting of the paper's figure 14 (7.4.1, StreamingBench accuracy): Qwen2.5-Omni-3B 68.1 % at
 # 5000/3500 (62.8 % at the 2500/1800 default), Qwen2.5-Omni-7B 61.0 % at 8000/6000 (52.4 %), MiniCPM-o 4.5 75.0 %
 # at 2500/1800 (2.6 was not measured: the paper's default).
 PROFILES: dict[str, ModelProfile] = {
     "qwen2.5-omni-7b": ModelProfile(
-        name="qwen2.5-omni-7b", display="Qwen2.5-Omni-7B", family="qwen2_5_omni", rope_axes=3, layers=28,
-        kv_heads=4, head_dim=128, q_heads=28, hidden=3584, intermediate=18944, vocab=152064,
+        name="qwen2.5-omni-7b", display="Qwen2.5-Omni-7B", rope_axes=3, shape=SHAPES["qwen2.5-omni-7b"],
         system_tokens=_QWEN_SYSTEM, high=8000, low=6000, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-7B LLM"),
     "qwen2.5-omni-3b": ModelProfile(
-        name="qwen2.5-omni-3b", display="Qwen2.5-Omni-3B", family="qwen2_5_omni", rope_axes=3, layers=36,
-        kv_heads=2, head_dim=128, q_heads=16, hidden=2048, intermediate=11008, vocab=151936,
+        name="qwen2.5-omni-3b", display="Qwen2.5-Omni-3B", rope_axes=3, shape=SHAPES["qwen2.5-omni-3b"],
         system_tokens=_QWEN_SYSTEM, high=5000, low=3500, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-3B LLM"),
     "minicpm-o-4.5": ModelProfile(
-        name="minicpm-o-4.5", display="MiniCPM-o 4.5", family="minicpmo", rope_axes=1, layers=36, kv_heads=8,
-        head_dim=128, q_heads=32, hidden=4096, intermediate=12288, vocab=151748, system_tokens=_MINICPM_SYSTEM,
-        pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 5},
+        name="minicpm-o-4.5", display="MiniCPM-o 4.5", rope_axes=1, shape=SHAPES["minicpm-o-4.5"],
+        system_tokens=_MINICPM_SYSTEM, pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 5},
         notes="Qwen3-8B LLM; SigLIP + resampler (64 tokens per image or slice); Whisper + 5-frame pooling"),
     "minicpm-o-2.6": ModelProfile(
-        name="minicpm-o-2.6", display="MiniCPM-o 2.6", family="minicpmo", rope_axes=1, layers=28, kv_heads=4,
-        head_dim=128, q_heads=28, hidden=3584, intermediate=18944, vocab=151700, system_tokens=_MINICPM_SYSTEM,
-        pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 2},
+        name="minicpm-o-2.6", display="MiniCPM-o 2.6", rope_axes=1, shape=SHAPES["minicpm-o-2.6"],
+        system_tokens=_MINICPM_SYSTEM, pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 2},
         notes="Qwen2.5-7B LLM; 2-frame audio pooling (25 tokens a second); units as 4.5's (no 2.6 port)"),
 }
 

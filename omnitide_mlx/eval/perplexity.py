@@ -51,24 +51,23 @@ def make_units(verses: list[tuple[str, str]], per_unit: int = 3) -> list[str]:
 
 # --- scoring through a session ----------------------------------------------------------------------------------
 
-def _scoring_session_class():
-    from ..session import OmniSession
+def scoring_session(model, **kwargs):
+    """An OmniSession whose backend keeps the logits of every token of its last prefill
+    (``session.backend.step_logits``): the stream is scored by the forward that appends it."""
+    from ..session import MlxBackend, OmniSession
 
-    class ScoringSession(OmniSession):
-        """An OmniSession that keeps the logits of every token of its last prefill (the stream is scored by the
-        forward that appends it)."""
-
+    class ScoringBackend(MlxBackend):
         step_logits = None
 
-        def _forward(self, embeds, positions):
+        def forward(self, model, cache, embeds, positions, *, hidden=False):
             import mlx.core as mx
 
             pos = mx.array(positions if positions.shape[0] > 1 else positions[0])
-            logits = self.model.language_model(embeds[None], self.cache, pos)[0]
+            logits = model.language_model(embeds[None], cache, pos)[0]
             self.step_logits = logits
-            return logits[-1]
+            return logits[-1], None
 
-    return ScoringSession
+    return OmniSession(model, backend=ScoringBackend(), **kwargs)
 
 
 class _NoSystemAdapter:
@@ -188,9 +187,8 @@ def stream_scores(model, tokenizer, units: list[str], setting: StreamSetting, *,
                   on_unit=None, kv: dict | None = None):
     """Stream ``units`` (until ``max_tokens`` are streamed, or the next unit would pass ``context_length``) through
     a session under ``setting``; score each unit before it is trimmed. Returns ``(scores, session)``."""
-    cls = _scoring_session_class()
     m = model if setting.system else _NoSystemModel(model)
-    session = cls((m, tokenizer), system_prompt=system_prompt, policy=setting.policy.build(), kv_dtype=kv_dtype,
+    session = scoring_session((m, tokenizer), system_prompt=system_prompt, policy=setting.policy.build(), kv_dtype=kv_dtype,
                   **(kv or {}))
     out: list[UnitScore] = []
     streamed = 0
@@ -207,8 +205,8 @@ def stream_scores(model, tokenizer, units: list[str], setting: StreamSetting, *,
         if rec.tokens != prep.length:
             raise RuntimeError(f"unit {i}: pushed {rec.tokens} tokens, prepared {prep.length}")
         span = _text_span(prep)
-        nll = token_nll(session.step_logits, prep.input_ids, span.start, span.end)
-        session.step_logits = None
+        nll = token_nll(session.backend.step_logits, prep.input_ids, span.start, span.end)
+        session.backend.step_logits = None
         out.append(UnitScore(i, prep.length, span.length, float(nll.sum()), cache_tokens,
                              int(prep.positions.max()), rec.evicted_tokens))
         streamed += prep.length
@@ -498,12 +496,11 @@ def run_drift(config: DriftConfig, out: str | Path, *, model=None, overwrite: bo
         model = load_gguf(config.model)
     t0 = time.perf_counter()
     units = make_units(load_verses(), config.per_unit)[:config.units]
-    cls = _scoring_session_class()
     setting = PolicySetting(config.policy, (), config.high, config.low)
     sessions, recorders = {}, {}
     for name, dtype in (("float32", mx.float32), ("float16", mx.float16)):
         recorders[name] = RetentionRecorder(setting.build())
-        sessions[name] = cls(model, system_prompt=SYSTEM_PROMPT, policy=recorders[name], kv_dtype=dtype)
+        sessions[name] = scoring_session(model, system_prompt=SYSTEM_PROMPT, policy=recorders[name], kv_dtype=dtype)
     ref = sessions["float32"]
     ids_of = {ref.history[0].uid: _system_ids(ref)}
     rows, checks = [], []
@@ -528,9 +525,9 @@ def run_drift(config: DriftConfig, out: str | Path, *, model=None, overwrite: bo
             rec = s.push(text=text)[0]
             if name == "float32":
                 ids_of[rec.uid] = [int(x) for x in prep.input_ids]
-            logits[name] = s.step_logits
-            row[f"nll_{name}"] = float(token_nll(s.step_logits, prep.input_ids, span.start, span.end).sum())
-            s.step_logits = None
+            logits[name] = s.backend.step_logits
+            row[f"nll_{name}"] = float(token_nll(s.backend.step_logits, prep.input_ids, span.start, span.end).sum())
+            s.backend.step_logits = None
         if sessions["float16"].history.positions().tolist() != ref.history.positions().tolist():
             raise RuntimeError("the float16 and float32 sessions kept different tokens")
         if oracle:

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from . import livesports, streamingbench, svbench
 from .policies import PolicySetting
@@ -41,6 +41,7 @@ class RunOptions:
     skip_missing: bool = False
     overwrite: bool = False
     model_name: str = "omnitide"  # the key StreamingBench's output stores answers under
+    media: Any = None  # a core.stream_units.MediaSetting (--preset / --max-pixels / ...); None: the model's default
     extra: dict = field(default_factory=dict)
 
     def run_config(self) -> dict:
@@ -48,7 +49,8 @@ class RunOptions:
         return {"kind": "benchmark", "benchmark": self.benchmark, "model": self.model, "data": str(self.data),
                 "videos": str(self.videos) if self.videos else None, "tasks": self.tasks,
                 "system_prompt": self.system_prompt, "max_tokens": self.tokens, "interval": self.interval,
-                "model_name": self.model_name}
+                "model_name": self.model_name,
+                **({"media": self.media.to_json()} if self.media is not None else {})}  # old folders stay valid
 
     @property
     def tokens(self) -> int:
@@ -96,8 +98,9 @@ def run_benchmark(opts: RunOptions, *, model=None, log: Callable[[str], None] = 
             log(f"{s.key}: {len(items) - len(todo)} of {len(items)} items already done")
         for n, item in enumerate(todo):
             t0 = time.perf_counter()
-            session = OmniSession(model, system_prompt=opts.system_prompt, policy=s.build())
+            session = OmniSession(model, system_prompt=opts.system_prompt, policy=s.build(), media=opts.media)
             record = _run_one(bench, session, item, opts)
+            record["tokens_per_unit"] = session.stats()["tokens_per_unit"]  # by span kind, at the media setting
             record["seconds"] = time.perf_counter() - t0
             items_log.append(item.id, record)
             log(f"{s.key}: {item.id} done in {record['seconds']:.1f} s ({n + 1}/{len(todo)})")

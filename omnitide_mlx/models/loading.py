@@ -7,6 +7,7 @@ written by ``omnitide convert`` carry ``"quantization": {"group_size", "bits"}``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -69,6 +70,19 @@ def load_config(path: Path) -> dict:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+
+
+def config_fields(cls, d: dict, renames: dict[str, str] | None = None, defaults: dict | None = None) -> dict:
+    """The keyword arguments of config dataclass ``cls`` that config dict ``d`` gives: its keys that name a field of
+    ``cls`` (a key in ``renames`` is read as the field it maps to: file name -> field name), tuples as lists; other
+    keys are ignored, and a field ``d`` lacks takes ``defaults``' value where it has one, else the class's own."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {k: v for k, v in (defaults or {}).items() if k in names}
+    for k, v in d.items():
+        k = (renames or {}).get(k, k)
+        if k in names:
+            out[k] = list(v) if isinstance(v, tuple) else v
+    return out
 
 
 def load_safetensors(path: Path) -> dict[str, mx.array]:

@@ -77,3 +77,26 @@ def test_load_rejects_foreign_or_broken_files(tmp_path):
     state["table.seq"] = mx.zeros_like(state["table.seq"])  # repeated serials
     with pytest.raises(CacheError, match="page table"):
         OmniCache.from_state(state, meta)
+
+
+def test_from_table_builds_a_cache_holding_another_table():
+    """A cache from a page table and buffers (the stream benchmark installs a simulated layout this way): same
+    configuration, that table, those buffers and scores, counters at zero; it goes on streaming like any cache."""
+    policy = OmniPick(high=200, low=140)
+    s = Stream(make_cache(collect_scores=True), q_heads=4, seed=3, planner=MigrationPlanner("class_aware"))
+    run_session(s, policy, units=8, check_oracle=False)
+    c = s.cache
+    assert c.evictions > 0
+    cap = c.table.capacity  # the buffers may hold more slots (grown ahead); the built cache holds the table's
+    buffers = {k: v[:, :, :cap] for k, v in c.state.items() if k.startswith("layers.")}
+    scores = np.arange(cap, dtype=np.float32)
+    built = make_cache(collect_scores=True).from_table(c.table, buffers, scores)
+    assert built.table.state() == c.table.state() and built.table is not c.table
+    assert (built.evictions, built.moved_rows, built.rotated_rows) == (0, 0, 0)
+    for a, b in zip(c.layers, built.layers):
+        assert mx.array_equal(a.keys[:, :, :cap], b.keys) and mx.array_equal(a.values[:, :, :cap], b.values)
+    np.testing.assert_array_equal(np.array(built.state["scores"]), scores)
+    with pytest.raises(CacheError, match="needs scores"):
+        make_cache(collect_scores=True).from_table(c.table, buffers)
+    with pytest.raises(CacheError, match="layer 0"):
+        make_cache().from_table(c.table, {k: v[:, :, :8] for k, v in buffers.items()})

@@ -268,3 +268,24 @@ def test_paper_table_lays_runs_out_as_table_2():
     assert "| Method | 3B | 7B |" in text
     assert "| No-slide | 62.3 / 43.4 / - | 52.0 / - / - |" in text
     assert "| OmniPick (ours) 2500/1800 | 1.0 / 1.0 / - | 1.0 / - / - |" in text
+
+
+def test_eval_takes_the_media_setting_and_records_tokens_per_unit(datasets, checkpoints, tmp_path, capsys):
+    """``--preset`` / ``--max-pixels`` reach the sessions (issue 12: the knobs wherever frames enter): the run's
+    folder records the setting, each item the tokens per unit by span kind, and a larger frame makes more tokens."""
+    per_unit = {}
+    for name, extra in (("default", []), ("paper", ["--preset", "paper"])):
+        out = tmp_path / name
+        rc = main(["eval", "streamingbench", "--data", str(datasets["streamingbench"]), "--model",
+                   str(checkpoints["qwen"]), "--policy", "omnitide", "--watermarks", "3000/2000", "--limit", "1",
+                   "--out", str(out), *extra])
+        assert rc == 0, capsys.readouterr().err
+        run = json.loads((out / "run.json").read_text())
+        assert ("media" in run) == (name == "paper")
+        item = json.loads((out / "omnitide@3000-2000" / "items.jsonl").read_text().splitlines()[0])["record"]
+        per_unit[name] = item["tokens_per_unit"]
+    assert per_unit["paper"]["setting"]["name"] == "paper"
+    assert per_unit["paper"]["by_kind"]["image"] > per_unit["default"]["by_kind"]["image"]
+    rc = main(["eval", "streamingbench", "--data", str(datasets["streamingbench"]), "--model", "m", "--out",
+               str(tmp_path / "x"), "--frame-size", "640"])
+    assert rc == 2 and "--frame-size" in capsys.readouterr().err and not (tmp_path / "x").exists()

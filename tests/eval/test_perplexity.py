@@ -83,9 +83,8 @@ def test_keep_positions_equal_the_masked_full_cache_at_the_old_positions(tiny):
     model, tok = tiny
     units = px.make_units(px.load_verses())[:6]
     recorder = RetentionRecorder(_setting("streamingllm:positions=keep,sink=4", "500/300").policy.build())
-    cls = px._scoring_session_class()
-    bounded = cls((model, tok), policy=recorder, system_prompt=px.SYSTEM_PROMPT)
-    full = cls((model, tok), policy="full", system_prompt=px.SYSTEM_PROMPT)
+    bounded = px.scoring_session((model, tok), policy=recorder, system_prompt=px.SYSTEM_PROMPT)
+    full = px.scoring_session((model, tok), policy="full", system_prompt=px.SYSTEM_PROMPT)
     for u in units[:-1]:
         bounded.push(text=u)
         full.push(text=u)
@@ -106,7 +105,7 @@ def test_keep_positions_equal_the_masked_full_cache_at_the_old_positions(tiny):
     lm = model.language_model
     want = lm(prep.inputs_embeds[None], reference, mx.array(prep.positions[0]))[0]
     bounded.push(text=units[-1])
-    np.testing.assert_allclose(np.array(bounded.step_logits), np.array(want), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.array(bounded.backend.step_logits), np.array(want), atol=1e-4, rtol=1e-4)
 
 
 def test_settings_cover_the_variants_in_priority_order():

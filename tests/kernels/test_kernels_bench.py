@@ -51,8 +51,7 @@ def test_cli_writes_json(tmp_path, monkeypatch):
     """The command end to end on a tiny profile (monkeypatched shape) with --json and --plot."""
     from omnitide_mlx.core import profiles
 
-    small = profiles.PROFILES["minicpm-o-4.5"].__class__(**{**profiles.PROFILES["minicpm-o-4.5"].__dict__,
-                                                             "q_heads": 4, "kv_heads": 1, "head_dim": 32})
+    small = profiles.PROFILES["minicpm-o-4.5"].with_shape(q_heads=4, kv_heads=1, head_dim=32)
     monkeypatch.setitem(profiles.PROFILES, "minicpm-o-4.5", small)
     out = tmp_path / "a.json"
     png = tmp_path / "a.png"

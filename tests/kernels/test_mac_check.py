@@ -19,8 +19,7 @@ def small_shapes(monkeypatch):
 
     for name in mac_check.SHAPES:
         p = profiles.PROFILES[name]
-        monkeypatch.setitem(profiles.PROFILES, name, p.__class__(**{**p.__dict__, "q_heads": 4,
-                                                                    "kv_heads": 2, "head_dim": 32}))
+        monkeypatch.setitem(profiles.PROFILES, name, p.with_shape(q_heads=4, kv_heads=2, head_dim=32))
 
 
 def test_dry_run_writes_the_report(tmp_path, small_shapes):

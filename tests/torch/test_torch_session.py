@@ -137,3 +137,23 @@ def test_sampling_is_seeded_and_filters_apply(torch_qwen, clip_chunks):
     a = [make_sampler(Sampling(temp=1.0, seed=7))(logits, []) for _ in range(5)]
     b = [make_sampler(Sampling(temp=1.0, seed=7))(logits, []) for _ in range(5)]
     assert a == b
+
+
+def test_a_probe_leaves_the_torch_session_as_it_was(torch_qwen, clip_chunks):
+    """The session's probe (the retention study's) goes through the backend, so it runs on torch too: float32 logits
+    on the host, and the history, page table and H2O scores as before."""
+    from omnitide_mlx.eval.probe import question_ids
+
+    s = TorchSession(torch_qwen, policy="h2o", high=HIGH, low=LOW)
+    for frame, audio, t in clip_chunks[:2]:
+        s.push(frame=frame, audio=audio, t=t)
+    ids = question_ids(s, "What colour is the square?")
+    def table():  # the probe's tokens take sequence numbers (next_seq) and leave every slot as it was
+        return {k: v for k, v in s.cache.page_table.state().items() if k != "next_seq"}
+
+    before = (s.history.to_json(), table(), s.cache.token_scores(s.history).copy())
+    a, b = s.probe_logits(ids), s.probe_logits(ids)
+    assert isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1 and np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)
+    assert (s.history.to_json(), table()) == before[:2]
+    np.testing.assert_array_equal(s.cache.token_scores(s.history), before[2])

@@ -3,7 +3,8 @@
 Attention goes through the cache as docs/design.md fixes it: an ``OmniCache`` (begin_step / per-layer ``attend`` /
 end_step), an mlx-lm ``KVCache`` list (``update_and_fetch``), or None. RoPE is *traditional* (interleaved pairs)
 because GGUF's q / k rows are permuted for it (gguf_file.py); the cache's ``RopeSpec`` says so, which makes the
-re-rotation of kept keys after an eviction exact.
+re-rotation of kept keys after an eviction exact. The MLP and the pre-norm layer around the attention are the
+shared blocks (models/blocks.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...rope import RopeSpec
+from .. import blocks
 from ..attention import cached_attention, forward_step, rope_at, sequential_positions
 from ..base import KVSpec
 from .gguf_file import LlamaConfig
@@ -40,28 +42,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
+class DecoderLayer(blocks.DecoderLayer):
+    """One Llama layer: this attention in the shared pre-norm block (models/blocks.py); called as
+    ``layer(x, positions, cache)``."""
+
     def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
-        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-
-    def __call__(self, x: mx.array, positions, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), positions, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(Attention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
 
 
 class LlamaModel(nn.Module):

@@ -11,15 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..loading import CheckpointError
+from ..loading import CheckpointError, config_fields
 
 
 class ConfigError(CheckpointError):
     """A config.json the port cannot run (inconsistent sizes, unsupported options)."""
-
-
-def _pick(d: dict, defaults: dict) -> dict:
-    return {k: d.get(k, v) for k, v in defaults.items()}
 
 
 @dataclass
@@ -48,8 +44,7 @@ class TextConfig:
 
     @classmethod
     def from_root(cls, d: dict) -> "TextConfig":
-        kw = _pick(d, {k: getattr(cls, k) for k in cls.__dataclass_fields__ if k != "head_dim"})
-        kw["head_dim"] = d.get("head_dim")
+        kw = config_fields(cls, d)
         rope = d.get("rope_parameters") or {}
         if "rope_theta" not in d and "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]
@@ -83,7 +78,7 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, d: dict | None) -> "VisionConfig":
         d = cls.RELEASED if d is None else d
-        cfg = cls(**_pick(d, {k: getattr(cls, k) for k in cls.__dataclass_fields__}))
+        cfg = cls(**config_fields(cls, d))
         if cfg.hidden_act != "gelu_pytorch_tanh":
             raise ConfigError(f"vision hidden_act {cfg.hidden_act!r} is not supported (SigLIP uses gelu_pytorch_tanh)")
         if cfg.hidden_size % cfg.num_attention_heads:
@@ -110,7 +105,7 @@ class AudioConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "AudioConfig":
-        cfg = cls(**_pick(d or {}, {k: getattr(cls, k) for k in cls.__dataclass_fields__}))
+        cfg = cls(**config_fields(cls, d or {}))
         if cfg.activation_function != "gelu":
             raise ConfigError(f"audio activation {cfg.activation_function!r} is not supported (Whisper uses gelu)")
         if cfg.d_model % cfg.encoder_attention_heads:
@@ -152,7 +147,7 @@ class ModelConfig:
         audio = AudioConfig.from_dict(d.get("audio_config")) if d.get("init_audio", True) else None
         sc = d.get("slice_config")  # MiniCPMVSliceConfig: 9 slices when given without a count, 1 when absent
         slice_cfg = SliceConfig() if sc is None else SliceConfig(
-            **_pick(sc, {"max_slice_nums": 9, "scale_resolution": 448, "patch_size": 14}))
+            **config_fields(SliceConfig, sc, defaults={"max_slice_nums": 9}))
         cfg = cls(
             text=text, vision=vision, audio=audio,
             query_num=int(d.get("query_num", 64)),

@@ -1,7 +1,8 @@
 """Qwen3, MiniCPM-o 4.5's language model: GQA attention with RMSNorm on q and k per head, plain NeoX RoPE.
 
 Attention goes through the cache the way docs/design.md fixes it: an ``OmniCache`` (begin_step / per-layer
-``attend`` / end_step), an mlx-lm ``KVCache`` / ``RotatingKVCache`` list (``update_and_fetch``), or None.
+``attend`` / end_step), an mlx-lm ``KVCache`` / ``RotatingKVCache`` list (``update_and_fetch``), or None. The MLP and
+the pre-norm layer around the attention are the shared blocks (models/blocks.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...rope import RopeSpec
+from .. import blocks
 from ..attention import cached_attention, forward_step, rope_at, sequential_positions
 from .config import TextConfig
 
@@ -41,28 +43,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+class DecoderLayer(blocks.DecoderLayer):
+    """One Qwen3 layer: this attention in the shared pre-norm block (models/blocks.py); called as
+    ``layer(x, positions, cache)``."""
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
     def __init__(self, args: TextConfig):
-        super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, positions, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), positions, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(Attention(args), args.hidden_size, args.intermediate_size, args.rms_norm_eps)
 
 
 class Qwen3Model(nn.Module):

@@ -8,20 +8,9 @@ the text config's own flag is ignored, as in transformers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from ..loading import CheckpointError
-
-
-def _pick(cls, d: dict, **renames) -> dict:
-    """The keys of ``d`` that are fields of dataclass ``cls`` (after ``renames``: file name -> field name)."""
-    names = {f.name for f in fields(cls)}
-    out = {}
-    for k, v in d.items():
-        k = renames.get(k, k)
-        if k in names:
-            out[k] = v
-    return out
+from ..loading import CheckpointError, config_fields
 
 
 @dataclass
@@ -52,7 +41,7 @@ class TextConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TextConfig":
-        kw = _pick(cls, d)
+        kw = config_fields(cls, d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]
@@ -96,7 +85,8 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "VisionConfig":
-        kw = _pick(cls, d, in_chans="in_channels", num_attention_heads="num_heads", num_hidden_layers="depth")
+        kw = config_fields(cls, d, {"in_chans": "in_channels", "num_attention_heads": "num_heads",
+                                    "num_hidden_layers": "depth"})
         if "hidden_size" not in d and "embed_dim" in d:
             kw["hidden_size"] = d["embed_dim"]
         rope = d.get("rope_parameters") or {}
@@ -127,7 +117,7 @@ class AudioConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "AudioConfig":
-        return cls(**_pick(cls, d))
+        return cls(**config_fields(cls, d))
 
 
 @dataclass
@@ -158,8 +148,8 @@ class ModelConfig:
         for sub in ("text_config", "vision_config", "audio_config"):
             if not isinstance(thinker.get(sub), dict):
                 raise CheckpointError(f"config.json: the thinker config has no {sub}")
-        kw = _pick(cls, thinker, audio_token_index="audio_token_id", image_token_index="image_token_id",
-                   video_token_index="video_token_id")
+        kw = config_fields(cls, thinker, {"audio_token_index": "audio_token_id", "image_token_index": "image_token_id",
+                                          "video_token_index": "video_token_id"})
         for k in ("text_config", "vision_config", "audio_config"):
             kw.pop(k, None)
         kw["model_type"] = model_type

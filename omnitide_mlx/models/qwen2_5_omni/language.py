@@ -1,5 +1,8 @@
 """The thinker's language model: a Qwen2 decoder (q/k/v biases, GQA, RMSNorm, SwiGLU) with M-RoPE.
 
+The attention is Qwen2's own (below); the MLP and the pre-norm layer around it are the shared blocks
+(models/blocks.py).
+
 M-RoPE splits the head's rotary frequencies into bands (``mrope_section``, [16, 24, 24] in the released models):
 band i reads its angles from position axis i % 3 (t, h, w). Rotation is NeoX style (halves, not pairs). When t, h
 and w are equal (text) this is ordinary RoPE, and a uniform shift of all three axes is one plain NeoX rotation,
@@ -16,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...cache import OmniCache
+from .. import blocks
 from ..attention import cached_attention, forward_step
 from .config import TextConfig
 
@@ -60,28 +64,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+class DecoderLayer(blocks.DecoderLayer):
+    """One Qwen2 layer: this attention in the shared pre-norm block (models/blocks.py); called as
+    ``layer(x, cos, sin, cache, mask)``."""
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
     def __init__(self, args: TextConfig):
-        super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x, cos, sin, cache=None, mask=None):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(Attention(args), args.hidden_size, args.intermediate_size, args.rms_norm_eps)
 
 
 class TextModel(nn.Module):

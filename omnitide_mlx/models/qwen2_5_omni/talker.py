@@ -17,13 +17,13 @@ after the prompt are sequential. So the talker can run in lockstep with the thin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..loading import CheckpointError
+from ..loading import CheckpointError, config_fields
 from .config import TextConfig
 from .language import DecoderLayer, mrope_cos_sin
 
@@ -51,8 +51,7 @@ class TalkerConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TalkerConfig":
-        names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
+        kw = config_fields(cls, d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-
-def _pick(cls, d: dict) -> dict:
-    names = {f.name for f in fields(cls)}
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k in names}
+from ..loading import config_fields
 
 
 @dataclass
@@ -63,7 +60,7 @@ class DiTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DiTConfig":
-        kw = _pick(cls, d)
+        kw = config_fields(cls, d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]
@@ -81,7 +78,7 @@ class BigVGANConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "BigVGANConfig":
-        return cls(**_pick(cls, d))
+        return cls(**config_fields(cls, d))
 
     @property
     def hop(self) -> int:

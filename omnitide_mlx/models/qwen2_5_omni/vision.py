@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..blocks import MLP
 from .config import VisionConfig
 
 
@@ -119,15 +120,11 @@ class VisionAttention(nn.Module):
         return self.proj(segment_attention(q, k, v, bounds, self.scale).reshape(n, -1))
 
 
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=True)
-        self.up_proj = nn.Linear(dim, hidden, bias=True)
-        self.down_proj = nn.Linear(hidden, dim, bias=True)
+class VisionMLP(MLP):
+    """The vision tower's SwiGLU, with biases (models/blocks.py)."""
 
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(self, dim: int, hidden: int):
+        super().__init__(dim, hidden, bias=True)
 
 
 class VisionBlock(nn.Module):
