@@ -10,7 +10,7 @@ else (units, retention, replies, threads, persistence). Two backends exist:
 
 A backend is one object per session (the torch one holds its device, load dtype, kernel and OmniPage migration
 mode). Every method takes what it works on (model, cache) as arguments, so a wrapper (the stream benchmark's
-step counter, ``bench/stream.py``) can observe calls without knowing the engine's internals.
+step counter, ``bench/stream/profiling.py``) can observe calls without knowing the engine's internals.
 
 Arrays: ``logits`` / ``embeds`` / ``hidden`` are the backend's own array type; ``positions`` are numpy
 ``[axes, T]`` int arrays (one row per rotary axis); ``to_numpy`` brings an array back to the host.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .stream import LAYOUT_TRIO, MLX_LM_QUANT, PAPER_ACCURACY, split_variant
+from .names import LAYOUT_TRIO, MLX_LM_QUANT, PAPER_ACCURACY, split_variant
 
 COLORS = {"full": "black", "fifo": "#8064a2", "token": "#f79646", "streamingllm": "#4bacc6", "h2o": "#7f7f7f",
           "omnipick": "#c0504d", "omnitide": "#4f81bd", "eager": "#9bbb59", "mlx_kvcache": "#404040",
