@@ -171,7 +171,7 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
         if units is None:
             return
         msg = watermark_guard(low=self.policy.low, system_tokens=system_tokens, unit_tokens=units.tokens,
-                              recent_units=recent)
+                              recent_units=recent, high=self.policy.high)
         if msg:
             self.warnings.append(msg)
             warnings.warn(msg, RetentionWarning, stacklevel=_caller_level())

@@ -405,5 +405,6 @@ def test_the_sessions_own_warnings_read_as_the_commands_messages(tiny_checkpoint
     r = omnitide("stream", "--model", tiny_checkpoints["qwen"], "--video", media_dir / "video_10s_av.mp4",
                  "--seconds", 1, "--high", 100, "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert "\nomnitide stream: warning: the low watermark (72 tokens) cannot hold" in r.stderr, r.stderr
+    # --high 100 is below the prefix plus one 146-token unit: the guard says so (before, it spoke of low only)
+    assert "\nomnitide stream: warning: the high watermark (100 tokens) cannot hold" in r.stderr, r.stderr
     assert "runpy" not in r.stderr and "RetentionWarning" not in r.stderr, r.stderr

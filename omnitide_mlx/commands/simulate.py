@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if hasattr(policy, "recent_units"):
         warning = watermark_guard(low=policy.low, system_tokens=profile.system_tokens,
-                                  unit_tokens=profile.media_unit_tokens, recent_units=policy.recent_units)
+                                  unit_tokens=profile.media_unit_tokens, recent_units=policy.recent_units,
+                                  high=policy.high)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     n_updates = args.seconds + (2 * (args.seconds // args.question_every) if args.question_every else 0)

@@ -106,9 +106,19 @@ def parse_frame_size(text: str) -> tuple[int, int]:
     return size
 
 
-def watermark_guard(*, low: int, system_tokens: int, unit_tokens: int, recent_units: int = 2) -> str | None:
-    """None when the low watermark holds the system prefix plus ``recent_units`` media units of the stream's size;
-    otherwise the warning to give once, saying what retention will do."""
+def watermark_guard(*, low: int, system_tokens: int, unit_tokens: int, recent_units: int = 2,
+                    high: int | None = None) -> str | None:
+    """None when the watermarks hold the system prefix plus ``recent_units`` media units of the stream's size;
+    otherwise the warning to give once, saying what retention will do. A ``high`` watermark that cannot hold the
+    prefix plus one unit is the worse case and is reported first: the newest unit alone then keeps the history over
+    it, so every unit triggers a trim and the history never gets back under the watermark."""
+    one = system_tokens + unit_tokens
+    if high is not None and unit_tokens and high < one:
+        return (f"the high watermark ({high} tokens) cannot hold the system prefix ({system_tokens}) plus one unit of "
+                f"{unit_tokens} tokens ({one}): after every trim the newest unit alone keeps the history over it, so "
+                f"each unit triggers a trim, about {one} tokens stay retained, and every frame before the newest is "
+                f"dropped at once; raise --high (and --low) to at least {system_tokens + recent_units * unit_tokens}, "
+                "or lower the resolution (--max-pixels / --max-slice-nums / --frame-size)")
     need = system_tokens + recent_units * unit_tokens
     if low >= need:
         return None

@@ -198,6 +198,8 @@ def test_the_guard_warns_when_low_cannot_hold_the_recent_units(capsys):
     args = ["simulate", "--profile", "qwen2.5-omni-7b", "--seconds", "3", "--no-progress"]
     assert cli_main(args + ["--preset", "paper", "--high", "2500", "--low", "1800"]) == 0
     assert "warning: the low watermark (1800 tokens) cannot hold" in capsys.readouterr().err
+    assert cli_main(args + ["--preset", "paper", "--high", "2000", "--low", "1800"]) == 0
+    assert "warning: the high watermark (2000 tokens) cannot hold the system prefix" in capsys.readouterr().err
     for extra in (["--preset", "paper"], []):
         assert cli_main(args + extra) == 0
         assert "warning" not in capsys.readouterr().err
