@@ -26,17 +26,8 @@ def measure(profile_name: str, preset: str | None, leftover: str | None) -> dict
         preset=preset, max_pixels=None, max_slice_nums=None, frame_size=None)))
     policy = make_policy("omnitide", profile=prof, leftover=leftover)
     sim = Simulator(prof, policy, StreamSpec(240, question_every=30, seed=0))
-    after: list[int] = []
-    plan = policy.plan
-
-    def recording_plan(history, scores=None):  # a wrapper, so the trims can be counted without touching the policy
-        p = plan(history, scores)
-        if p is not None:
-            after.append(p.tokens_after)
-        return p
-
-    sim.policy.plan = recording_plan
-    res = sim.run(progress=False).to_json()
+    res = sim.run(progress=False, series_every=1).to_json()
+    after = [e["retained_cells"] for e in res["layouts"]["native"]["series"] if e["trimmed"]]  # right after trims
     newest = {u.uid for u in sim.history if u.kind.value != "system"}
     newest = set(sorted(newest)[-3:])
     kinds: collections.Counter = collections.Counter()
@@ -54,8 +45,6 @@ def measure(profile_name: str, preset: str | None, leftover: str | None) -> dict
 
 
 def main() -> None:
-    import mlx.core as mx  # noqa: F401  (versions only; the simulator itself is pure Python)
-
     rows = [measure(p, s, lo) for s in (None, "paper") for p in ("qwen2.5-omni-3b", "qwen2.5-omni-7b", "minicpm-o-4.5")
             for lo in (None, "audio+text")]
     for r in rows:
