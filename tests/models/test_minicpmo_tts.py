@@ -192,3 +192,52 @@ def test_bad_inputs_raise_clear_errors(golden, official_weights):
     with pytest.raises(ConfigError, match="attention_type"):
         TTSArgs.from_dict({"attention_type": "sliding"})
     assert reply.feed([], np.zeros((0, 64), np.float32), last=True)[-1] is not None  # an empty *last* chunk is fine
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tts_checkpoint(tmp_path_factory):
+    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tts") / "ckpt", tts=True, init_vision=False,
+                                init_audio=False)
+
+
+def test_checkpoint_with_tts_loads_it(tts_checkpoint):
+    from omnitide_mlx import load
+    from safetensors.numpy import load_file
+
+    model, proc = load(tts_checkpoint, dtype=mx.float32)
+    tts = model.require_tts()
+    assert isinstance(tts, MiniCPMTTS) and tts.args.num_audio_tokens == 6562 and tts.args.llm_dim == 128
+    raw = load_file(str(tts_checkpoint / "model.safetensors"))
+    assert "tts.model.embed_tokens.weight" in raw and "tts.projector_spk.linear1.weight" in raw  # official layout
+    g, v = raw["tts.head_code.0.parametrizations.weight.original0"], raw["tts.head_code.0.parametrizations.weight.original1"]
+    want = g * v / np.linalg.norm(v, axis=1, keepdims=True)
+    np.testing.assert_allclose(np.array(tts.head_code[0].weight), want, atol=1e-6, rtol=0)
+    # end to end on the LLM's own hidden states (final norm, one per token as input), real token ids
+    ids = proc.tokenizer.encode("Hello there, how are you today?")
+    hidden = model.language_model.hidden_states(model.language_model.embed_tokens(mx.array(ids))[None])[0]
+    reply = tts.start_reply(TTSSampling(greedy=True, max_new_tokens_per_chunk=30))
+    out = reply.feed(ids[:5], hidden[:5]) + reply.feed(ids[5:], hidden[5:], last=True)
+    assert reply.done and all(len(c) == 25 for c in out[:-1]) and len(out[-1]) <= 25
+    assert all(0 <= t < 6561 for c in out for t in c)
+
+
+def test_checkpoint_without_tts_raises_speech_unavailable(tmp_path):
+    from omnitide_mlx import load
+    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint
+    from omnitide_mlx.models.qwen2_5_omni.speech import SpeechUnavailable
+
+    ckpt = make_tiny_checkpoint(tmp_path / "plain", init_vision=False, init_audio=False)
+    model, _ = load(ckpt, dtype=mx.float32)
+    assert model.tts is None
+    with pytest.raises(SpeechUnavailable, match="init_tts=false.*text only"):
+        model.require_tts()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["init_tts"] = True  # asked for, but no tts.* weights stored
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    model, _ = load(ckpt, dtype=mx.float32)
+    with pytest.raises(SpeechUnavailable, match="no tts.* weights"):
+        model.require_tts()
