@@ -274,3 +274,18 @@ def test_original_loader_errors(tmp_path):
     save_file({"generator.conv_pre.bias": np.zeros(512, np.float32)}, str(tmp_path / "hift_original.safetensors"))
     with pytest.raises(CheckpointError, match="missing keys"):
         load_original_vocoder(tmp_path)
+
+
+def test_half_precision_checkpoint_loads(tmp_path, tiny_dir):
+    """A bfloat16 hift.safetensors loads (widened to float32 before the weight-norm materialisation)."""
+    import shutil
+
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    shutil.copy(tiny_dir / "config.yaml", folder / "config.yaml")
+    state = mx.load(str(tiny_dir / "hift.safetensors"))
+    mx.save_safetensors(str(folder / "hift.safetensors"), {k: v.astype(mx.bfloat16) for k, v in state.items()})
+    model = load_causal_vocoder(folder)
+    ref = load_causal_vocoder(tiny_dir)
+    w, r = np.array(model.conv_pre.weight), np.array(ref.conv_pre.weight)
+    assert model.conv_pre.weight.dtype == mx.float32 and np.abs(w - r).max() < 1e-2 * np.abs(r).max()

@@ -1005,7 +1005,12 @@ def load_causal_vocoder(folder: str | Path, noise: NoiseTable | None = None) -> 
         state = mx.load(str(weights))
     except Exception as e:
         raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
-    return load_causal_weights(model, {k: np.array(v) for k, v in state.items()})
+    return load_causal_weights(model, _to_numpy(state))
+
+
+def _to_numpy(state: dict) -> dict[str, np.ndarray]:
+    """mx arrays -> float32 NumPy (bfloat16 has no NumPy type; half-precision checkpoints widen losslessly)."""
+    return {k: np.array(v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v) for k, v in state.items()}
 
 
 def load_original_vocoder(folder: str | Path, args: HiFTArgs = ORIGINAL_HIFT) -> HiFTGenerator:
@@ -1021,7 +1026,7 @@ def load_original_vocoder(folder: str | Path, args: HiFTArgs = ORIGINAL_HIFT) ->
         state = mx.load(str(path))
     except Exception as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
-    state = {k.removeprefix("generator."): np.array(v) for k, v in state.items()}
+    state = {k.removeprefix("generator."): v for k, v in _to_numpy(state).items()}
     model = HiFTGenerator(args)
     model.load_weights(list(official_to_mlx(model, state).items()), strict=True)
     mx.eval(model.parameters())
