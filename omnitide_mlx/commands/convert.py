@@ -7,8 +7,8 @@ with a ``quant_predicate(path, module)`` method (Qwen2.5-Omni quantises its lang
 audio encoders in float).
 
 ``omnitide convert --token2wav DIR`` instead converts a StepAudio2 token2wav folder (MiniCPM-o 4.5's
-``assets/token2wav``) in place: ``flow.pt`` and ``hift.pt`` (torch state dicts, read with ``weights_only=True``)
-become ``flow.safetensors`` and ``hift.safetensors`` next to them, which is what the MLX speech decoder loads.
+``assets/token2wav``) in place: ``flow.pt``, ``hift.pt`` and ``hift_original.pt`` (torch state dicts, read with
+``weights_only=True``) become ``.safetensors`` files next to them, which is what the MLX speech decoder loads.
 Needs torch (the ``torch`` extra); nothing else in the folder changes.
 """
 
@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(required unless --token2wav)")
     parser.add_argument("--mlx-path", help="output folder for the converted model (required unless --token2wav)")
     parser.add_argument("--token2wav", metavar="DIR",
-                        help="convert a StepAudio2 token2wav folder in place instead: flow.pt / hift.pt -> "
-                             "flow.safetensors / hift.safetensors")
+                        help="convert a StepAudio2 token2wav folder in place instead: flow.pt, hift.pt, "
+                             "hift_original.pt -> .safetensors next to them")
     parser.add_argument("--overwrite", action="store_true",
                         help="with --token2wav: rewrite .safetensors files that already exist")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantise the weights")

@@ -1,7 +1,8 @@
 """StepAudio2 token2wav weights: the released ``flow.pt`` / ``hift.pt`` (torch state dicts) -> safetensors.
 
-MiniCPM-o 4.5 ships its speech decoder as ``assets/token2wav/`` with PyTorch pickles. The MLX runtime reads
-safetensors only, so ``omnitide convert --token2wav DIR`` runs this once: each ``NAME.pt`` present is read with
+MiniCPM-o 4.5 ships its speech decoder as ``assets/token2wav/`` with PyTorch pickles (``flow.pt``, ``hift.pt``,
+``hift_original.pt``). The MLX runtime reads safetensors only, so ``omnitide convert --token2wav DIR`` runs this
+once: each ``NAME.pt`` present is read with
 ``torch.load(weights_only=True)`` (tensors only, no code) and written next to it as ``NAME.safetensors`` with the
 same key names, dtypes and layouts (the MLX loaders map names and conv layouts themselves). Never imports MLX.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TOKEN2WAV_WEIGHTS = ("flow", "hift")  # flow matching and the streaming CausalHiFT vocoder (config.yaml)
+# flow matching, the streaming CausalHiFT vocoder (config.yaml) and the whole-utterance HiFT
+TOKEN2WAV_WEIGHTS = ("flow", "hift", "hift_original")
 
 
 class Token2wavConvertError(ValueError):
@@ -46,7 +48,7 @@ def convert_state_dict(src: Path, dst: Path) -> int:
 
 
 def convert_token2wav(folder: str | Path, overwrite: bool = False) -> list[tuple[Path, int]]:
-    """Write ``flow.safetensors`` and ``hift.safetensors`` next to ``flow.pt`` / ``hift.pt`` in ``folder``.
+    """Write ``NAME.safetensors`` next to each ``NAME.pt`` of ``TOKEN2WAV_WEIGHTS`` in ``folder``.
 
     A ``.safetensors`` that already exists is kept unless ``overwrite``. Returns the files written with their tensor
     counts; raises Token2wavConvertError when the folder has neither checkpoint.
@@ -57,7 +59,7 @@ def convert_token2wav(folder: str | Path, overwrite: bool = False) -> list[tuple
     found = [name for name in TOKEN2WAV_WEIGHTS if (folder / f"{name}.pt").is_file()]
     if not found:
         have = [name for name in TOKEN2WAV_WEIGHTS if (folder / f"{name}.safetensors").is_file()]
-        if len(have) == len(TOKEN2WAV_WEIGHTS):
+        if "flow" in have and "hift" in have:
             return []
         raise Token2wavConvertError(f"{folder} has none of {', '.join(n + '.pt' for n in TOKEN2WAV_WEIGHTS)}: "
                                     "pass MiniCPM-o 4.5's assets/token2wav folder")

@@ -205,9 +205,11 @@ def test_converter_round_trip_pt_to_safetensors(tmp_path):
     state = {k: torch.from_numpy(np.asarray(v.astype(mx.float32))) for k, v in w.items()}
     torch.save(state, tmp_path / "flow.pt")
     torch.save({"generator.conv_pre.weight": torch.randn(4, 80, 5)}, tmp_path / "hift.pt")
+    torch.save({"generator.conv_post.bias": torch.randn(18)}, tmp_path / "hift_original.pt")
     (tmp_path / "flow.yaml").write_text((DATA / "flow.yaml").read_text())
     written = convert_token2wav(tmp_path)
-    assert sorted(p.name for p, _ in written) == ["flow.safetensors", "hift.safetensors"]
+    assert sorted(p.name for p, _ in written) == ["flow.safetensors", "hift.safetensors",
+                                                  "hift_original.safetensors"]
     back = mx.load(str(tmp_path / "flow.safetensors"))
     assert set(back) == set(state) and all(np.array_equal(np.asarray(back[k]), state[k].numpy()) for k in state)
     assert mx.load(str(tmp_path / "hift.safetensors"))["generator.conv_pre.weight"].shape == (4, 80, 5)

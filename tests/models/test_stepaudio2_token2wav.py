@@ -92,8 +92,22 @@ def test_empty_final_push_flushes_and_official_names_agree(t2w, voice, tokens):
 
 
 def test_offline_call(t2w, voice, tokens):
+    assert t2w.offline_vocoder == "causal"  # the tiny folder has no hift_original.safetensors
     wav = t2w(tokens[:20], voice)
     assert wav.dtype == np.float32 and np.isfinite(wav).all() and len(wav) == 2 * 20 * 480
+
+
+def test_offline_call_uses_the_original_hift_when_given(t2w, voice, tokens):
+    import dataclasses
+
+    from omnitide_mlx.models.stepaudio2.vocoder import ORIGINAL_HIFT, HiFTGenerator
+
+    original = HiFTGenerator(dataclasses.replace(ORIGINAL_HIFT, base_channels=16))
+    both = Token2Wav(t2w.flow, t2w.vocoder, N_STEPS, original_vocoder=original)
+    assert both.offline_vocoder == "original"
+    wav = both(tokens[:10], voice)
+    assert len(wav) == 2 * 10 * 480 and np.isfinite(wav).all()
+    assert not np.array_equal(wav, t2w(tokens[:10], voice))
 
 
 def test_stream_errors(t2w, voice, folder, tmp_path):
@@ -118,6 +132,10 @@ def test_stream_errors(t2w, voice, folder, tmp_path):
     (tmp_path / "config.yaml").write_text((folder / "config.yaml").read_text())
     (tmp_path / "hift.pt").write_bytes(b"never opened")
     with pytest.raises(CheckpointError, match="hift"):
+        Token2Wav.load(tmp_path)
+    (tmp_path / "hift.safetensors").write_bytes((folder / "hift.safetensors").read_bytes())
+    (tmp_path / "hift_original.pt").write_bytes(b"never opened")
+    with pytest.raises(CheckpointError, match="convert hift_original.pt"):
         Token2Wav.load(tmp_path)
     with pytest.raises(CheckpointError, match="lacks"):
         from safetensors.numpy import save_file

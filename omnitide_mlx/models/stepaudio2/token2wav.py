@@ -26,9 +26,10 @@ Computing them from a wav needs the S3 speech tokenizer (``speech_tokenizer_v2_2
 (``campplus.onnx``), neither of which is ported: out of scope here, so a voice is prepared once with the official
 code and saved.
 
-Offline ``__call__`` runs the flow on the whole utterance and the causal generator over all of its mel at once; the
-official offline path vocodes with the original non-causal HiFT (``hift_original.pt``), which is not ported, so
-offline audio here is not the official offline audio (the mel is).
+Offline ``__call__`` runs the flow on the whole utterance and, as the official one does, the original non-causal
+HiFT (``hift_original.safetensors``, converted from ``hift_original.pt``) on all of its mel. A folder without that
+file (the tiny test folder) vocodes offline with the causal generator in one pass instead; ``offline_vocoder``
+says which ("original" or "causal"). A folder with only ``hift_original.pt`` is an error pointing at the converter.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class Token2Wav:
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, flow: CausalMaskedDiffWithXvec, vocoder, n_timesteps: int = 10):
+    def __init__(self, flow: CausalMaskedDiffWithXvec, vocoder, n_timesteps: int = 10, original_vocoder=None):
         if int(n_timesteps) < 1:
             raise ValueError("n_timesteps must be positive")
         hop = vocoder.args.hop
@@ -172,16 +173,24 @@ class Token2Wav:
             raise ValueError(f"the vocoder takes {vocoder.args.in_channels} mel bins at {hop} samples a frame; the "
                              f"flow makes {flow.cfg.output_size} (Token2wav needs 80 and 480)")
         self.flow, self.vocoder, self.n_timesteps = flow, vocoder, int(n_timesteps)
+        self.original_vocoder = original_vocoder
         self._current: Token2WavStream | None = None
+
+    @property
+    def offline_vocoder(self) -> str:
+        return "causal" if self.original_vocoder is None else "original"
 
     @classmethod
     def load(cls, folder: str | Path, n_timesteps: int = 10) -> "Token2Wav":
-        from .vocoder import load_causal_vocoder
+        from .vocoder import load_causal_vocoder, load_original_vocoder
 
         folder = Path(folder).expanduser()
         if not folder.is_dir():
             raise CheckpointError(f"no token2wav folder at {folder}")
-        return cls(load_flow(folder), load_causal_vocoder(folder), n_timesteps)
+        original = None
+        if (folder / "hift_original.safetensors").is_file() or (folder / "hift_original.pt").is_file():
+            original = load_original_vocoder(folder)  # says to convert when only the .pt is there
+        return cls(load_flow(folder), load_causal_vocoder(folder), n_timesteps, original)
 
     def start_stream(self, voice: Voice) -> Token2WavStream:
         return Token2WavStream(self, voice)
@@ -192,7 +201,10 @@ class Token2Wav:
             raise ValueError("offline synthesis needs at least one speech token")
         prompt_tokens, prompt_mel, spk = _prompt(self.flow, voice)
         mel = self.flow.inference(tokens, prompt_tokens, prompt_mel, spk, self.n_timesteps)
-        speech, _ = self.vocoder.inference(mel, finalize=True)
+        if self.original_vocoder is not None:
+            speech, _ = self.original_vocoder(mel)
+        else:
+            speech, _ = self.vocoder.inference(mel, finalize=True)
         return np.asarray(speech, dtype=np.float32).reshape(-1)
 
     # the official method names, on one current stream
