@@ -191,7 +191,9 @@ def test_bad_inputs_raise_clear_errors(golden, official_weights):
 
     with pytest.raises(ConfigError, match="attention_type"):
         TTSArgs.from_dict({"attention_type": "sliding"})
-    assert reply.feed([], np.zeros((0, 64), np.float32), last=True)[-1] is not None  # an empty *last* chunk is fine
+    # the bad feeds left the reply untouched; an empty *last* chunk is fine (text eos + audio bos only) and ends it
+    out = reply.feed([], np.zeros((0, 64), np.float32), last=True)
+    assert reply.done and out and all(len(c) == 25 for c in out[:-1]) and len(out[-1]) <= 25
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------
@@ -213,7 +215,8 @@ def test_checkpoint_with_tts_loads_it(tts_checkpoint):
     assert isinstance(tts, MiniCPMTTS) and tts.args.num_audio_tokens == 6562 and tts.args.llm_dim == 128
     raw = load_file(str(tts_checkpoint / "model.safetensors"))
     assert "tts.model.embed_tokens.weight" in raw and "tts.projector_spk.linear1.weight" in raw  # official layout
-    g, v = raw["tts.head_code.0.parametrizations.weight.original0"], raw["tts.head_code.0.parametrizations.weight.original1"]
+    g = raw["tts.head_code.0.parametrizations.weight.original0"]
+    v = raw["tts.head_code.0.parametrizations.weight.original1"]
     want = g * v / np.linalg.norm(v, axis=1, keepdims=True)
     np.testing.assert_allclose(np.array(tts.head_code[0].weight), want, atol=1e-6, rtol=0)
     # end to end on the LLM's own hidden states (final norm, one per token as input), real token ids

@@ -28,10 +28,12 @@ Sampling (``TTSSampling``, the official ``TTSSamplingParams`` defaults as ``stre
 ``gen_logits``): logits / temperature; then, except for the very first token of the reply, the repetition penalty over
 the last 16 tokens of the reply (``penalty ** count``: negative logits multiplied, positive divided), top-p then top-k
 (transformers' warpers, each keeping at least 3 tokens); then a draw from the softmax. ``TTSSamplingParams.min_p``,
-``win_size`` and ``tau_r`` are not used by the official streaming path, nor here. ``greedy=True`` takes the argmax of the
-same processed logits (the official path with its multinomial draw replaced by an argmax).
+``win_size`` and ``tau_r`` are not used by the official streaming path, nor here. ``greedy=True`` takes the argmax of
+the same processed logits (the official path with its multinomial draw replaced by an argmax).
 
-Only codebook 0 is used (``num_vq`` is 1 in 4.5; the official streaming generator also reads codebook 0 only).
+Only codebook 0 is used, for any ``num_vq`` (the official streaming generator reads codebook 0 only). The released
+``tts_config`` values (attention_type, normalize_projected_hidden, num_vq) were not available here; missing fields
+take the official class defaults (attention_type "sliding_recompute").
 
 API (what the engine drives while the LLM streams text)::
 
@@ -331,8 +333,9 @@ class MiniCPMTTS(nn.Module):
 
     def start_reply(self, sampling: TTSSampling | None = None, seed: int | None = None,
                     draw: Callable[[np.ndarray], int] | None = None) -> "TTSReply":
-        """A fresh reply (own KV cache, RNG and buffer). ``draw``: replaces the random draw (it gets the softmax
-        probabilities of the processed logits and returns a token id), e.g. to replay a recorded run."""
+        """A fresh reply (own KV cache, RNG and buffer). ``seed``: reproducible draws (None: MLX's global generator).
+        ``draw``: replaces the random draw (it gets the softmax probabilities of the processed logits and returns a
+        token id), e.g. to replay a recorded run."""
         return TTSReply(self, sampling or TTSSampling(), seed=seed, draw=draw)
 
 
@@ -394,7 +397,8 @@ class TTSReply:
         self.chunk_info: list[_ChunkInfo] = []
         self.done = False
         self._draw = draw
-        self._key = mx.random.key(0 if seed is None else int(seed)) if draw is None and not sampling.greedy else None
+        # seed: a reproducible reply; None draws from MLX's global generator
+        self._key = mx.random.key(int(seed)) if seed is not None and draw is None and not sampling.greedy else None
         self.audio_bos = tts.token_embedding(self.args.audio_bos_token_id)
         self.text_eos = tts.token_embedding(self.args.text_eos_token_id)
 
@@ -491,6 +495,8 @@ class TTSReply:
         probs = softmax(x.astype(np.float64)).astype(np.float32)
         if self._draw is not None:
             return int(self._draw(probs))
+        if self._key is None:
+            return int(mx.random.categorical(mx.array(x)).item())
         self._key, sub = mx.random.split(self._key)
         return int(mx.random.categorical(mx.array(x), key=sub).item())
 
