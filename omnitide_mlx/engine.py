@@ -35,7 +35,8 @@ import numpy as np
 
 from .backend import Backend
 from .core.page import AllocClass
-from .core.pick import RetentionPolicy, plan_from_mask
+from .core.pick import RetentionPolicy
+from .core.retention_plan import plan_from_mask
 from .core.stream_units import MediaSetting, watermark_guard
 from .core.units import History, Span, SpanKind, Unit, UnitKind
 from .errors import MediaError, SessionBusyError
