@@ -5,6 +5,11 @@ its config first), then written with ``models.loading.save_converted``. With ``-
 ``mlx_lm.convert -q`` does (affine, 4 bits, group 64 by default); a model may restrict quantisation to some layers
 with a ``quant_predicate(path, module)`` method (Qwen2.5-Omni quantises its language model and keeps the vision and
 audio encoders in float).
+
+``omnitide convert --token2wav DIR`` instead converts a StepAudio2 token2wav folder (MiniCPM-o 4.5's
+``assets/token2wav``) in place: ``flow.pt``, ``hift.pt`` and ``hift_original.pt`` (torch state dicts, read with
+``weights_only=True``) become ``.safetensors`` files next to them, which is what the MLX speech decoder loads.
+Needs torch (the ``torch`` extra); nothing else in the folder changes.
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "--hf-path", dest="model", required=True,
-                        help="local model folder or Hugging Face id (org/name); --hf-path as mlx_lm.convert names it")
-    parser.add_argument("--mlx-path", required=True, help="output folder for the converted model")
+    parser.add_argument("--model", "--hf-path", dest="model",
+                        help="local model folder or Hugging Face id (org/name); --hf-path as mlx_lm.convert names it "
+                             "(required unless --token2wav)")
+    parser.add_argument("--mlx-path", help="output folder for the converted model (required unless --token2wav)")
+    parser.add_argument("--token2wav", metavar="DIR",
+                        help="convert a StepAudio2 token2wav folder in place instead: flow.pt, hift.pt, "
+                             "hift_original.pt -> .safetensors next to them")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="with --token2wav: rewrite .safetensors files that already exist")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantise the weights")
     parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="bits per weight (4)")
     parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128),
@@ -39,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from ..models.loading import CheckpointError, load_config, resolve_model_path, save_converted
     from .stream import announce
 
+    if args.token2wav:
+        return _convert_token2wav(args)
+    if not args.model or not args.mlx_path:
+        print("error: --model (--hf-path) and --mlx-path are required (or --token2wav DIR)", file=sys.stderr)
+        return 2
     dst = Path(args.mlx_path).expanduser()
     try:
         src = resolve_model_path(args.model)
@@ -77,4 +93,33 @@ def run(args: argparse.Namespace) -> int:
     what = (f"{written['quantization']['bits']}-bit (group {written['quantization']['group_size']})"
             if args.quantize else (args.dtype or "unquantised"))
     print(f"wrote {what} MLX model to {dst}")
+    return 0
+
+
+def _convert_token2wav(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.model or args.mlx_path or args.quantize or args.dtype:
+        print("error: --token2wav converts a folder in place; it takes no --model, --mlx-path, -q or --dtype",
+              file=sys.stderr)
+        return 2
+    try:
+        from ..torch.token2wav_convert import Token2wavConvertError, convert_token2wav
+    except ImportError as e:
+        print(f"error: --token2wav needs torch and safetensors (pip install 'omnitide-mlx[torch]'): {e}",
+              file=sys.stderr)
+        return 1
+    try:
+        written = convert_token2wav(args.token2wav, overwrite=args.overwrite)
+    except ImportError as e:
+        print(f"error: --token2wav needs torch and safetensors (pip install 'omnitide-mlx[torch]'): {e}",
+              file=sys.stderr)
+        return 1
+    except Token2wavConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path, n in written:
+        print(f"wrote {path} ({n} tensors)")
+    if not written:
+        print(f"nothing to do in {args.token2wav}: the .safetensors files exist (--overwrite rewrites them)")
     return 0

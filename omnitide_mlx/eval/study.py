@@ -441,4 +441,7 @@ def run_study(config: StudyConfig, settings: list[PolicySetting], out: str | Pat
                "summary": [asdict(s) for s in summaries]}
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     (out / "table.md").write_text(render_markdown(summaries, records, config.to_json()), encoding="utf-8")
+    from ..plots.recall import plot_recall
+
+    plot_recall(results, out / "recall.png")
     return results

@@ -9,8 +9,11 @@ It builds the official CausalHiFTGenerator from the tiny config.yaml with hyperp
 wheel's classes as its token2wav.py does), loads the tiny hift.safetensors with strict=True, replaces the source's
 random noise table with a seeded NumPy table the test regenerates, and runs
   (a) CausalHiFTGenerator.inference on a whole mel (finalize=True), and once with finalize=False;
-  (b) BoundedVocoder.stream over uneven chunks, finalize on the last (an empty chunk among them).
-Writes tests/data/stepaudio2/vocoder_tiny/{config.yaml,hift.safetensors} and tests/data/stepaudio2/vocoder_golden.npz.
+  (b) BoundedVocoder.stream over uneven chunks, finalize on the last (an empty chunk among them);
+  (c) the original non-causal HiFTGenerator (flashcosyvoice, what Token2wav runs on whole utterances) at small
+      widths with seeded random weights, its Gaussian source noise replaced by a seeded NumPy draw.
+Writes tests/data/stepaudio2/vocoder_tiny/{config.yaml,hift.safetensors}, vocoder_golden.npz,
+vocoder_original_tiny.safetensors and vocoder_original_golden.npz under tests/data/stepaudio2.
 The official stepaudio2/__init__.py (which imports onnxruntime, s3tokenizer, torchaudio) is not run: a namespace
 module stands in for the package.
 """
@@ -88,6 +91,74 @@ def load_official_model(folder: Path, generator, f0_predictor):
     return model.float().eval()
 
 
+ORIGINAL_WIDTHS = dict(base_channels=16, cond_channels=16)
+ORIGINAL_FRAMES = 20
+ORIGINAL_NOISE_SEED = 99
+
+
+def original_noise(frames: int, width: int = 9) -> np.ndarray:
+    """The test's stand-in for the original source's torch.randn_like noise (standard normal)."""
+    return np.random.default_rng(ORIGINAL_NOISE_SEED).standard_normal((1, frames * 480, width), dtype=np.float32)
+
+
+def original_golden(src: Path, mel: np.ndarray):
+    """The original HiFTGenerator on the first ORIGINAL_FRAMES mel frames."""
+    from safetensors.torch import save_file
+    from stepaudio2.flashcosyvoice.modules import hifigan
+
+    model = hifigan.HiFTGenerator(base_channels=ORIGINAL_WIDTHS["base_channels"],
+                                  f0_predictor=hifigan.ConvRNNF0Predictor(
+                                      cond_channels=ORIGINAL_WIDTHS["cond_channels"]))
+    rng = np.random.default_rng(11)
+    state = {}
+    for key, value in model.state_dict().items():
+        shape = tuple(value.shape)
+        if key.endswith("original0"):
+            a = rng.uniform(0.5, 1.2, shape)
+        elif key.endswith(("original1", ".weight")) and len(shape) == 3:
+            a = rng.normal(0.0, 1.0 / np.sqrt(np.prod(shape[1:])), shape)
+        elif key.endswith("alpha"):
+            a = rng.uniform(0.5, 1.5, shape)
+        elif key == "m_source.l_linear.weight":
+            a = rng.normal(0.0, 0.5, shape)
+        elif key == "f0_predictor.classifier.weight":
+            a = rng.normal(0.0, 240.0 / np.sqrt(shape[1]), shape)
+        elif key == "f0_predictor.classifier.bias":
+            a = np.full(shape, 60.0)
+        elif key.endswith("bias"):
+            a = rng.normal(0.0, 0.1, shape)
+        else:
+            raise KeyError(key)
+        state[key] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    # hift_original.pt keys carry a "generator." prefix that Token2wav strips: store them that way
+    save_file({"generator." + k: v for k, v in state.items()}, str(OUT / "vocoder_original_tiny.safetensors"))
+
+    noise = torch.from_numpy(original_noise(ORIGINAL_FRAMES))
+    real_randn_like, calls = torch.randn_like, []
+
+    def randn_like(x, *a, **k):  # the first draw is SineGen2's (B, samples, 9) noise; the second is unused
+        calls.append(tuple(x.shape))
+        return noise.clone() if len(calls) == 1 else real_randn_like(x, *a, **k)
+
+    torch.randn_like = randn_like
+    try:
+        with torch.inference_mode():
+            speech, source = model(speech_feat=torch.from_numpy(mel[:, :, :ORIGINAL_FRAMES]))
+    finally:
+        torch.randn_like = real_randn_like
+    assert calls[0] == tuple(noise.shape), calls
+    with torch.inference_mode():
+        f0 = model.f0_predictor(torch.from_numpy(mel[:, :, :ORIGINAL_FRAMES]))
+    np.savez_compressed(OUT / "vocoder_original_golden.npz", mel=mel[:, :, :ORIGINAL_FRAMES], f0=f0[0].numpy(),
+                        speech=speech[0].numpy(), source=source[0, 0].numpy(),
+                        noise_seed=np.array(ORIGINAL_NOISE_SEED), noise_sum=np.array(float(noise.double().sum())),
+                        base_channels=np.array(ORIGINAL_WIDTHS["base_channels"]),
+                        cond_channels=np.array(ORIGINAL_WIDTHS["cond_channels"]))
+    print("original HiFT: f0", f0[0, :6].numpy().round(1), "speech max", float(speech.abs().max()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--src", type=Path, default=Path("/tmp/dl/minicpmo_utils-1.0.7/src"))
@@ -145,6 +216,7 @@ def main():
         maxima=np.array([vocoder.maxima[k] for k in sorted(vocoder.maxima)]),
         maxima_keys=np.array(sorted(vocoder.maxima)),
     )
+    original_golden(args.src, mel)
     total = sum(p.stat().st_size for p in OUT.rglob("vocoder*") if p.is_file())
     print(f"wrote {OUT} ({total / 1e3:.0f} kB)")
 

@@ -38,8 +38,14 @@ def load_model(path: Path, config: dict, dtype=None, lazy: bool = False, **_):
 
     path = Path(path)
     cfg = ModelConfig.from_dict(config)
-    model = Model(cfg)
     weights = load_safetensors(path)
+    if cfg.tts_config is not None and any(k.startswith("tts.") for k in weights):
+        from .tts import TTSArgs
+
+        cfg.tts = TTSArgs.from_dict(cfg.tts_config)  # speech output: model.tts (else model.require_tts() raises)
+    else:  # no TTS asked for or none stored: any tts.* weights are not loaded
+        weights = {k: v for k, v in weights.items() if not k.startswith("tts.")}
+    model = Model(cfg)
     if not cfg.converted:
         weights = model.sanitize(weights)
     if dtype is not None:

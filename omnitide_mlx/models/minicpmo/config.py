@@ -137,6 +137,8 @@ class ModelConfig:
     slice: SliceConfig = field(default_factory=SliceConfig)
     eos_token_id: Any = None
     converted: bool = False  # written by `omnitide convert`: weights already in MLX layout
+    tts_config: dict | None = None  # config.json's tts_config when init_tts (default true); None: no TTS asked for
+    tts: Any = None  # the TTS args (tts.TTSArgs), set by the loader when the checkpoint also holds tts.* weights
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -159,6 +161,7 @@ class ModelConfig:
             slice=slice_cfg,
             eos_token_id=d.get("eos_token_id"),
             converted=bool(d.get("omnitide_converted", False)),
+            tts_config=dict(d.get("tts_config") or {}) if d.get("init_tts", True) else None,
         )
         if vision is not None:
             if text.hidden_size % 128:

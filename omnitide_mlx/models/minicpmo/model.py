@@ -19,6 +19,7 @@ from .layout import audio_token_count, conv_output_length
 from .config import ModelConfig
 from .language import LanguageModel
 from .resampler import Resampler
+from .tts import MiniCPMTTS
 from .vision import VisionTower, pad_slices
 
 
@@ -57,6 +58,19 @@ class Model(nn.Module):
         if config.audio is not None:
             self.audio_tower = WhisperEncoder(config.audio)
             self.audio_projection_layer = AudioProjector(config.audio.encoder_ffn_dim // 4, config.text.hidden_size)
+        # the speech-output TTS (tts.py) when the checkpoint has one (the loader sets config.tts), else None
+        self.tts = MiniCPMTTS(config.tts) if config.tts is not None else None
+        self.tts_unavailable_reason = None if config.tts is not None else (
+            "config.json has init_tts=false" if config.tts_config is None else "the checkpoint holds no tts.* weights")
+
+    def require_tts(self) -> MiniCPMTTS:
+        """The TTS, or ``SpeechUnavailable`` saying why this checkpoint answers in text only."""
+        if self.tts is None:
+            from ..qwen2_5_omni.speech import SpeechUnavailable
+
+            raise SpeechUnavailable(f"this MiniCPM-o checkpoint has no TTS ({self.tts_unavailable_reason}): "
+                                    "it answers in text only")
+        return self.tts
 
     # --- engine contract ----------------------------------------------------------------------------------------
     def kv_spec(self) -> KVSpec:
@@ -206,11 +220,14 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Official checkpoint names and PyTorch layouts -> this module's (``llm.`` -> ``language_model.``,
-        ``vpm.`` -> ``vision_tower.``, ``apm.`` -> ``audio_tower.``, conv kernels channels-last). Dropped: the
-        TTS (speech output is not ported), buffers, the vision layer ``drop_vision_last_layer`` removes, and
-        towers the config disables."""
+        ``vpm.`` -> ``vision_tower.``, ``apm.`` -> ``audio_tower.``, conv kernels channels-last; ``tts.`` through
+        ``MiniCPMTTS.sanitize``, weight_norm materialised). Dropped: the TTS weights when the model has no TTS,
+        buffers, the vision layer ``drop_vision_last_layer`` removes, and towers the config disables."""
         cfg = self.config
         out = {}
+        tts = {k[4:]: v for k, v in weights.items() if k.startswith("tts.")}
+        if tts and cfg.tts is not None:
+            out.update({f"tts.{k}": v for k, v in MiniCPMTTS.sanitize(tts).items()})
         dropped_layer = None
         if cfg.vision is not None and cfg.drop_vision_last_layer:
             dropped_layer = f"vision_tower.encoder.layers.{cfg.vision.num_hidden_layers - 1}."

@@ -5,6 +5,10 @@ names and PyTorch layouts (``llm.`` / ``vpm.`` / ``apm.``, OIHW / OIK convolutio
 ``in_proj_weight``) and the real 151,748-entry tokenizer files, with an empty tokenizer.json as in the release.
 Every parameter is drawn at random (norm gains 1 + 0.1 N, biases 0.02 N, the rest N / sqrt(fan_in)): default
 inits (unit gains, zero biases, a zero resampler query) would hide bugs.
+
+``tts=True`` adds the speech-output TTS: ``init_tts`` true, a tiny ``tts_config`` (``tiny_tts_config``) and random
+``tts.*`` weights in the official layout: ``head_code.N`` as weight_norm ``parametrizations.weight.original0`` (g,
+[V, 1]) / ``original1`` (v), the unused ``model.embed_tokens`` (LlamaConfig's 32000 rows) and ``projector_spk``.
 """
 
 from __future__ import annotations
@@ -58,7 +62,47 @@ def tiny_config(**overrides) -> dict:
     return cfg
 
 
-def random_weights(model: Model, seed: int) -> dict[str, np.ndarray]:
+def tiny_tts_config(llm_dim: int = 128, **overrides) -> dict:
+    """``tts_config`` of a tiny TTS: the released structure and special ids (6562 audio tokens, 152064 text tokens,
+    audio_bos 151687, text_eos 151692, hidden_text_merge with normalised projections), small sizes."""
+    cfg = {"llm_dim": llm_dim, "llm_intermediate_size": 64, "projector_type": "mlp", "hidden_act": "silu",
+           "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+           "num_key_value_heads": 2, "max_position_embeddings": 4096, "num_audio_tokens": 6562,
+           "num_text_tokens": 152064, "num_vq": 1, "audio_bos_token_id": 151687, "text_eos_token_id": 151692,
+           "condition_type": "hidden_text_merge", "backbone_model": "llama", "normalize_projected_hidden": True,
+           "attention_type": "sliding_recompute", "recomputed_chunks": 1, "window_size": 2,
+           "streaming_sliding_window_audio_window_size": 300, "top_p": 0.85, "top_k": 25,
+           "repetition_penalty": 1.05}
+    cfg.update(overrides)
+    return cfg
+
+
+def random_tts_weights(tts_config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random ``tts.*`` weights in the official layout (weight_norm unmaterialised, the unused keys included)."""
+    from .tts import MiniCPMTTS, TTSArgs
+
+    args = TTSArgs.from_dict(tts_config)
+    rng = np.random.default_rng(seed)
+    mlx_names = random_weights(MiniCPMTTS(args), seed + 1)
+    out = {}
+    for k, v in mlx_names.items():
+        m = re.fullmatch(r"head_code\.(\d+)\.weight", k)
+        if m:
+            out[f"tts.head_code.{m.group(1)}.parametrizations.weight.original0"] = \
+                (0.5 + np.abs(rng.standard_normal((v.shape[0], 1)))).astype(np.float32)
+            out[f"tts.head_code.{m.group(1)}.parametrizations.weight.original1"] = v
+        else:
+            out[f"tts.{k}"] = v
+    h, d = args.hidden_size, args.llm_dim
+    out["tts.model.embed_tokens.weight"] = (rng.standard_normal((32000, h)) / np.sqrt(h)).astype(np.float32)
+    for name, shape in (("linear1.weight", (h, d)), ("linear1.bias", (h,)), ("linear2.weight", (h, h)),
+                        ("linear2.bias", (h,))):
+        scale = 0.02 if name.endswith("bias") else 1 / np.sqrt(shape[-1])
+        out[f"tts.projector_spk.{name}"] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def random_weights(model, seed: int) -> dict[str, np.ndarray]:
     """Every parameter of ``model`` re-drawn (MLX names and layouts), float32."""
     rng = np.random.default_rng(seed)
     out = {}
@@ -90,7 +134,7 @@ def to_official_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Path | None = None,
-                         **config_overrides) -> Path:
+                         tts: bool = False, **config_overrides) -> Path:
     """Write a tiny random MiniCPM-o 4.5 checkpoint folder at ``dst`` (created); returns its path.
 
     ``config_overrides`` replace top-level config.json fields (dicts are merged), e.g. ``vocab_size=512`` for a
@@ -100,9 +144,15 @@ def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Pa
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
+    if tts:
+        config_overrides = {"init_tts": True, **config_overrides}
+        config_overrides.setdefault("tts_config", tiny_tts_config(
+            llm_dim=config_overrides.get("hidden_size", tiny_config()["hidden_size"])))
     cfg = tiny_config(**config_overrides)
     model = Model(ModelConfig.from_dict(cfg))
     weights = to_official_layout(random_weights(model, seed))
+    if tts:
+        weights.update(random_tts_weights(cfg["tts_config"], seed + 7))
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     src = Path(tokenizer_dir) if tokenizer_dir is not None else default_tokenizer_dir()

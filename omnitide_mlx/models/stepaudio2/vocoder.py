@@ -12,8 +12,10 @@ The pieces, top to bottom:
   * layers: the causal convolutions, Snake, the residual block, the causal F0 predictor;
   * the neural source: per-frame sine phase, the voiced/unvoiced mask, the fixed noise table;
   * ``CausalHiFTGenerator``: ``decode`` (mel + source -> STFT fusion -> iSTFT) and the offline ``inference``;
+  * ``HiFTGenerator``: the original non-causal HiFT Token2wav runs on whole utterances (``hift_original.pt``);
   * ``BoundedVocoder``: ``reset()``, ``stream(mel_chunk, finalize)``, ``cache``;
-  * loading: ``load_causal_vocoder(folder)`` with weight-norm materialisation and strict key checks.
+  * loading: ``load_causal_vocoder(folder)`` / ``load_original_vocoder(folder)`` with weight-norm materialisation
+    and strict key checks.
 """
 
 from __future__ import annotations
@@ -457,7 +459,48 @@ def hann_window(n: int) -> np.ndarray:
     return (0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n) / n)).astype(np.float32)
 
 
-class CausalHiFTGenerator(nn.Module):
+class _ISTFTNet:
+    """The STFT of the source and the output iSTFT, shared by both generators (torch.stft / torch.istft with
+    center=True, reflect padding, a periodic Hann window). Needs ``self.args``, ``self._window``, ``self._envelope``."""
+
+    def _stft(self, s: mx.array) -> mx.array:
+        """torch.stft(center=True, reflect) of (B, L) -> (B, frames, n_fft + 2): real bins then imaginary bins."""
+        n, hop = self.args.n_fft, self.args.hop_len
+        pad = n // 2
+        if s.shape[1] <= pad:
+            raise ValueError(f"the source has {s.shape[1]} samples; the STFT needs more than {pad}")
+        s = mx.concatenate([s[:, pad:0:-1], s, s[:, -2:-pad - 2:-1]], axis=1)
+        frames = 1 + (s.shape[1] - n) // hop
+        idx = mx.arange(frames)[:, None] * hop + mx.arange(n)[None, :]
+        spec = mx.fft.rfft(s[:, idx] * mx.array(self._window), axis=-1)
+        return mx.concatenate([mx.real(spec), mx.imag(spec)], axis=-1)
+
+    def _istft(self, magnitude: mx.array, phase: mx.array) -> mx.array:
+        """torch.istft(center=True) of (B, frames, bins) magnitude/phase -> (B, hop_len * (frames - 1))."""
+        n, hop = self.args.n_fft, self.args.hop_len
+        magnitude = mx.minimum(magnitude, 1e2)
+        spec = magnitude * mx.cos(phase) + 1j * (magnitude * mx.sin(phase))
+        frames = mx.fft.irfft(spec, n=n, axis=-1) * mx.array(self._window)
+        b, f = frames.shape[:2]
+        r = n // hop
+        parts = frames.reshape(b, f, r, hop)
+        y = sum(mx.pad(parts[:, :, j], [(0, 0), (j, r - 1 - j), (0, 0)]) for j in range(r))
+        y = y.reshape(b, (f + r - 1) * hop)
+        if f not in self._envelope:
+            w2 = (self._window.astype(np.float64) ** 2).reshape(r, hop)
+            env = np.zeros((f + r - 1, hop))
+            for j in range(r):
+                env[j:j + f] += w2[j]
+            env = env.reshape(-1)[n // 2:n // 2 + hop * (f - 1)]
+            if env.min() < 1e-11:
+                raise ValueError("the iSTFT window does not satisfy the overlap-add condition")
+            if len(self._envelope) > 64:
+                self._envelope.clear()
+            self._envelope[f] = env.astype(np.float32)  # NumPy, so the module's parameter tree never holds it
+        return y[:, n // 2:n // 2 + hop * (f - 1)] / mx.array(self._envelope[f])
+
+
+class CausalHiFTGenerator(_ISTFTNet, nn.Module):
     """CosyVoice3's causal HiFT vocoder: F0 -> sine source -> STFT fused into an upsampling conv net -> iSTFT."""
 
     def __init__(self, args: HiFTArgs, noise: NoiseTable | None = None):
@@ -494,42 +537,6 @@ class CausalHiFTGenerator(nn.Module):
         self.f0_predictor = CausalConvF0Predictor(args.f0_predictor)
         self._window = hann_window(args.n_fft)
         self._envelope: dict[int, mx.array] = {}
-
-    # -- transforms ---------------------------------------------------------------------------------------------
-
-    def _stft(self, s: mx.array) -> mx.array:
-        """torch.stft(center=True, reflect) of (B, L) -> (B, frames, n_fft + 2): real bins then imaginary bins."""
-        n, hop = self.args.n_fft, self.args.hop_len
-        pad = n // 2
-        if s.shape[1] <= pad:
-            raise ValueError(f"the source has {s.shape[1]} samples; the STFT needs more than {pad}")
-        s = mx.concatenate([s[:, pad:0:-1], s, s[:, -2:-pad - 2:-1]], axis=1)
-        frames = 1 + (s.shape[1] - n) // hop
-        idx = mx.arange(frames)[:, None] * hop + mx.arange(n)[None, :]
-        spec = mx.fft.rfft(s[:, idx] * mx.array(self._window), axis=-1)
-        return mx.concatenate([mx.real(spec), mx.imag(spec)], axis=-1)
-
-    def _istft(self, magnitude: mx.array, phase: mx.array) -> mx.array:
-        """torch.istft(center=True) of (B, frames, bins) magnitude/phase -> (B, hop_len * (frames - 1))."""
-        n, hop = self.args.n_fft, self.args.hop_len
-        magnitude = mx.minimum(magnitude, 1e2)
-        spec = magnitude * mx.cos(phase) + 1j * (magnitude * mx.sin(phase))
-        frames = mx.fft.irfft(spec, n=n, axis=-1) * mx.array(self._window)
-        b, f = frames.shape[:2]
-        r = n // hop
-        parts = frames.reshape(b, f, r, hop)
-        y = sum(mx.pad(parts[:, :, j], [(0, 0), (j, r - 1 - j), (0, 0)]) for j in range(r))
-        y = y.reshape(b, (f + r - 1) * hop)
-        if f not in self._envelope:
-            w2 = (self._window.astype(np.float64) ** 2).reshape(r, hop)
-            env = np.zeros((f + r - 1, hop))
-            for j in range(r):
-                env[j:j + f] += w2[j]
-            env = env.reshape(-1)[n // 2:n // 2 + hop * (f - 1)]
-            if env.min() < 1e-11:
-                raise ValueError("the iSTFT window does not satisfy the overlap-add condition")
-            self._envelope[f] = mx.array(env.astype(np.float32))
-        return y[:, n // 2:n // 2 + hop * (f - 1)] / self._envelope[f]
 
     # -- the network ----------------------------------------------------------------------------------------------
 
@@ -616,6 +623,136 @@ def _check_mel(mel, channels: int) -> mx.array:
     if mel.ndim != 3 or mel.shape[0] != 1 or mel.shape[1] != channels:
         raise ValueError(f"mel must have shape [1, {channels}, frames], got {list(mel.shape)}")
     return mel.astype(mx.float32).transpose(0, 2, 1)
+
+
+# ---------------------------------------------------------------------------------------- the original HiFT
+
+
+class ConvTranspose1d(nn.Module):
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, padding: int):
+        super().__init__()
+        self.weight = mx.zeros((out_ch, kernel_size, in_ch))
+        self.bias = mx.zeros((out_ch,))
+        self.stride, self.padding = stride, padding
+
+    def __call__(self, x):
+        return mx.conv_transpose1d(x, self.weight, stride=self.stride, padding=self.padding) + self.bias
+
+
+class ConvF0Predictor(nn.Module):
+    """The non-causal ``ConvRNNF0Predictor`` (five k=3 convolutions, ELUs, a linear head, ``|.|``), float32."""
+
+    def __init__(self, args: F0PredictorArgs):
+        super().__init__()
+        c = args.cond_channels
+        self.condnet = []
+        for cin in [args.in_channels] + [c] * 4:
+            self.condnet += [Conv1d(cin, c, 3, padding=1), nn.Module()]
+        self.classifier = nn.Linear(c, args.num_class)
+
+    def __call__(self, mel):
+        x = mel
+        for i in range(0, len(self.condnet), 2):
+            x = _elu(self.condnet[i](x))
+        return mx.abs(self.classifier(x)[..., 0])
+
+
+# Token2wav builds the original vocoder as HiFTGenerator() with these (its defaults), not from config.yaml.
+ORIGINAL_HIFT = HiFTArgs(sampling_rate=24000, upsample_rates=[8, 5, 3], upsample_kernel_sizes=[16, 11, 7],
+                         source_resblock_kernel_sizes=[7, 7, 11],
+                         source_resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5], [1, 3, 5]])
+
+
+class HiFTGenerator(_ISTFTNet, nn.Module):
+    """The original non-causal HiFT (CosyVoice2's, ``hift_original.pt``) that Token2wav uses for whole utterances:
+    symmetric convolutions, transposed-convolution upsampling, a float32 F0 predictor, and the 24 kHz ``SineGen2``
+    source whose phase is linearly interpolated between frames. Its source noise is Gaussian and drawn on every
+    call (``mx.random``; pass ``noise`` [samples, harmonics + 1] to fix it)."""
+
+    def __init__(self, args: HiFTArgs = ORIGINAL_HIFT):
+        super().__init__()
+        if args.n_fft % args.hop_len:
+            raise ValueError(f"iSTFT n_fft {args.n_fft} must be a multiple of hop_len {args.hop_len}")
+        if args.sampling_rate == 22050:
+            raise ValueError("the 22.05 kHz SineGen source of CosyVoice 1 is not ported; Step-Audio2 runs at 24 kHz")
+        self.args = args
+        self.num_kernels, self.num_upsamples = len(args.resblock_kernel_sizes), len(args.upsample_rates)
+        self.m_source = SourceModule(args.nb_harmonics)
+        base, bins = args.base_channels, args.n_fft + 2
+        self.conv_pre = Conv1d(args.in_channels, base, 7, padding=3)
+        self.ups = [ConvTranspose1d(base // 2 ** i, base // 2 ** (i + 1), k, u, (k - u) // 2)
+                    for i, (u, k) in enumerate(zip(args.upsample_rates, args.upsample_kernel_sizes))]
+        down_rates = np.cumprod([1] + list(args.upsample_rates[::-1][:-1]))[::-1]
+        self.source_downs, self.source_resblocks = [], []
+        for i, (u, k, d) in enumerate(zip(down_rates, args.source_resblock_kernel_sizes,
+                                          args.source_resblock_dilation_sizes)):
+            ch, u = base // 2 ** (i + 1), int(u)
+            self.source_downs.append(Conv1d(bins, ch, 1) if u == 1 else Conv1d(bins, ch, u * 2, u, padding=u // 2))
+            self.source_resblocks.append(ResBlock(ch, k, d, causal=False))
+        self.resblocks = []
+        for i in range(self.num_upsamples):
+            ch = base // 2 ** (i + 1)
+            self.resblocks += [ResBlock(ch, k, d, causal=False) for k, d in zip(args.resblock_kernel_sizes,
+                                                                                args.resblock_dilation_sizes)]
+        self.conv_post = Conv1d(ch, bins, 7, padding=3)
+        self.f0_predictor = ConvF0Predictor(args.f0_predictor)
+        self._window = hann_window(args.n_fft)
+        self._envelope: dict[int, np.ndarray] = {}
+
+    def source(self, f0: mx.array, noise=None) -> mx.array:
+        """f0 (1, T) -> source samples (1, T * hop): the 24 kHz ``SineGen2`` + merge. The per-frame phase
+        2 pi * cumsum((f0 * h / sr) mod 1) (float32; torch's CPU cumsum accumulates in double) times hop is linearly
+        interpolated to samples with torch's half-pixel weights, computed in float32 as torch does (in NumPy: this
+        is bookkeeping on a few values per sample). The random initial phase of the official code lands on sample 0,
+        which the frame-midpoint downsampling skips."""
+        a, hop = self.args, self.args.hop
+        f0_np = np.array(f0.astype(mx.float32))[0]
+        t = f0_np.shape[0]
+        harmonics = np.arange(1, a.nb_harmonics + 2, dtype=np.float32)
+        rad = np.remainder(f0_np[:, None] * harmonics / np.float32(a.sampling_rate), np.float32(1.0))
+        phase = np.cumsum(rad.astype(np.float64), axis=0).astype(np.float32) * np.float32(2) * np.float32(np.pi)
+        phase = phase * np.float32(hop)
+        src = np.float32(1.0 / hop) * (np.arange(t * hop, dtype=np.float32) + np.float32(0.5)) - np.float32(0.5)
+        src = np.maximum(src, np.float32(0))
+        i0 = src.astype(np.int64)
+        i1 = np.minimum(i0 + 1, t - 1)
+        lam1 = np.clip(src - i0.astype(np.float32), 0, 1).astype(np.float32)[:, None]
+        lam0 = np.float32(1) - lam1
+        sine = mx.array(np.sin(phase[i0] * lam0 + phase[i1] * lam1))[None]
+        if noise is None:
+            noise = mx.random.normal(sine.shape)
+        else:
+            noise = mx.array(np.asarray(noise, dtype=np.float32).reshape(sine.shape))
+        uv = mx.repeat((f0 > a.nsf_voiced_threshold).astype(mx.float32)[..., None], hop, axis=1)
+        noise_amp = uv * a.nsf_sigma + ((1 - uv) * a.nsf_alpha) / 3
+        exc = sine * a.nsf_alpha * uv + noise_amp * noise
+        return self.m_source(exc)[..., 0]
+
+    def decode(self, mel: mx.array, source: mx.array) -> mx.array:
+        a = self.args
+        s_stft = self._stft(source)
+        x = self.conv_pre(mel)
+        for i in range(self.num_upsamples):
+            x = self.ups[i](nn.leaky_relu(x, a.lrelu_slope))
+            if i == self.num_upsamples - 1:
+                x = mx.concatenate([x[:, 1:2], x], axis=1)  # ReflectionPad1d((1, 0))
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = None
+            for j in range(self.num_kernels):
+                y = self.resblocks[i * self.num_kernels + j](x)
+                xs = y if xs is None else xs + y
+            x = xs / self.num_kernels
+        x = self.conv_post(nn.leaky_relu(x, 0.01))
+        half = a.n_fft // 2 + 1
+        speech = self._istft(mx.exp(x[..., :half]), mx.sin(x[..., half:]))
+        return mx.clip(speech, -a.audio_limit, a.audio_limit)
+
+    def __call__(self, mel, noise=None) -> tuple[mx.array, mx.array]:
+        """The official ``HiFTGenerator.forward``: mel [1, C, T] -> (speech [1, T * hop], source [1, 1, T * hop])."""
+        x = _check_mel(mel, self.args.in_channels)
+        f0 = self.f0_predictor(x)
+        source = self.source(f0, noise)
+        return self.decode(x, source), source[:, None, :]
 
 
 # ---------------------------------------------------------------------------------------------- streaming wrapper
@@ -769,8 +906,9 @@ _WN_NEW = (".parametrizations.weight.original0", ".parametrizations.weight.origi
 _WN_OLD = (".weight_g", ".weight_v")
 
 
-def _weight_normed(model: CausalHiFTGenerator) -> set[str]:
-    """Module paths whose ``weight`` the official model wraps in weight_norm."""
+def _weight_normed(model) -> set[str]:
+    """Module paths whose ``weight`` the official model wraps in weight_norm (source_downs, the linear layers and
+    Snake are plain)."""
     names = {"conv_pre", "conv_post"}
     names |= {f"ups.{i}" for i in range(len(model.ups))}
     names |= {f"f0_predictor.condnet.{i}" for i in range(0, len(model.f0_predictor.condnet), 2)}
@@ -781,8 +919,13 @@ def _weight_normed(model: CausalHiFTGenerator) -> set[str]:
     return names
 
 
-def official_shapes(model: CausalHiFTGenerator, style: str = "parametrizations") -> dict[str, tuple]:
-    """The official state-dict keys and shapes (torch layout) of this config: weight-normed weights as
+def _transposed(model, key: str) -> bool:
+    """The original HiFT upsamples with ConvTranspose1d, whose torch weight is (in, out, kernel)."""
+    return isinstance(model, HiFTGenerator) and key.startswith("ups.")
+
+
+def official_shapes(model, style: str = "parametrizations") -> dict[str, tuple]:
+    """The official state-dict keys and shapes (torch layout) of this model's config: weight-normed weights as
     ``parametrizations.weight.original0/1`` (``style='parametrizations'``) or ``weight_g``/``weight_v``."""
     from mlx.utils import tree_flatten
 
@@ -790,10 +933,10 @@ def official_shapes(model: CausalHiFTGenerator, style: str = "parametrizations")
     out = {}
     for key, value in tree_flatten(model.parameters()):
         shape = tuple(value.shape)
-        if len(shape) == 3:
-            shape = (shape[0], shape[2], shape[1])
+        if len(shape) == 3:  # MLX (out, kernel, in) -> torch Conv1d (out, in, kernel) / ConvTranspose1d (in, out, k)
+            shape = (shape[2], shape[0], shape[1]) if _transposed(model, key) else (shape[0], shape[2], shape[1])
         prefix = key[:-len(".weight")] if key.endswith(".weight") else None
-        if prefix in normed:
+        if prefix in normed:  # torch's weight_norm(dim=0): one gain per index of the torch weight's first axis
             g, v = _WN_NEW if style == "parametrizations" else _WN_OLD
             out[prefix + g] = (shape[0],) + (1,) * (len(shape) - 1)
             out[prefix + v] = shape
@@ -802,11 +945,11 @@ def official_shapes(model: CausalHiFTGenerator, style: str = "parametrizations")
     return out
 
 
-def official_to_mlx(model: CausalHiFTGenerator, state: dict) -> dict[str, mx.array]:
+def official_to_mlx(model, state: dict) -> dict[str, mx.array]:
     """Official hift state dict (numpy or mx arrays, torch layout) -> this model's parameters: weight_norm
     materialised as g * v / ||v|| (norm over all but dim 0, computed in float64), conv weights moved to MLX's
-    (out, kernel, in) layout, the F0 predictor kept float64 (the official code casts its g and v to float64 and
-    recomputes the weight there), the rest float32. Raises ``CheckpointError`` listing every key mismatch."""
+    (out, kernel, in) layout, the causal F0 predictor kept float64 (the official code casts its g and v to float64
+    and recomputes the weight there), the rest float32. Raises ``CheckpointError`` listing every key mismatch."""
     from ..loading import describe_mismatch
 
     state = {k: np.asarray(v) for k, v in state.items()}
@@ -814,7 +957,7 @@ def official_to_mlx(model: CausalHiFTGenerator, state: dict) -> dict[str, mx.arr
     expected = official_shapes(model, style)
     problem = describe_mismatch(expected, state)
     if problem:
-        raise CheckpointError(f"hift weights do not match config.yaml's hift section:\n{problem}")
+        raise CheckpointError(f"hift weights do not match the vocoder's config:\n{problem}")
     g_suffix, v_suffix = _WN_NEW if style == "parametrizations" else _WN_OLD
     out = {}
     for key, value in state.items():
@@ -826,8 +969,8 @@ def official_to_mlx(model: CausalHiFTGenerator, state: dict) -> dict[str, mx.arr
             norm = np.sqrt(np.sum(v * v, axis=tuple(range(1, v.ndim)), keepdims=True))
             key, value = prefix + ".weight", g * v / norm
         if key.endswith(".weight") and value.ndim == 3:
-            value = value.transpose(0, 2, 1)
-        f64 = key.startswith("f0_predictor.")
+            value = value.transpose(1, 2, 0) if _transposed(model, key) else value.transpose(0, 2, 1)
+        f64 = key.startswith("f0_predictor.") and isinstance(model, CausalHiFTGenerator)
         out[key] = mx.array(value.astype(np.float64 if f64 else np.float32), dtype=mx.float64 if f64 else mx.float32)
     return out
 
@@ -862,4 +1005,29 @@ def load_causal_vocoder(folder: str | Path, noise: NoiseTable | None = None) -> 
         state = mx.load(str(weights))
     except Exception as e:
         raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
-    return load_causal_weights(model, {k: np.array(v) for k, v in state.items()})
+    return load_causal_weights(model, _to_numpy(state))
+
+
+def _to_numpy(state: dict) -> dict[str, np.ndarray]:
+    """mx arrays -> float32 NumPy (bfloat16 has no NumPy type; half-precision checkpoints widen losslessly)."""
+    return {k: np.array(v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v) for k, v in state.items()}
+
+
+def load_original_vocoder(folder: str | Path, args: HiFTArgs = ORIGINAL_HIFT) -> HiFTGenerator:
+    """The whole-utterance vocoder from ``hift_original.safetensors`` (the converted ``hift_original.pt``; a
+    ``generator.`` key prefix is dropped, as Token2wav does). Token2wav builds it with ``HiFTGenerator()``'s
+    defaults, which ``ORIGINAL_HIFT`` holds."""
+    path = Path(folder) / "hift_original.safetensors"
+    if not path.is_file():
+        pt = (Path(folder) / "hift_original.pt").is_file()
+        hint = " (convert hift_original.pt to safetensors first)" if pt else ""
+        raise CheckpointError(f"missing {path}{hint}")
+    try:
+        state = mx.load(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+    state = {k.removeprefix("generator."): v for k, v in _to_numpy(state).items()}
+    model = HiFTGenerator(args)
+    model.load_weights(list(official_to_mlx(model, state).items()), strict=True)
+    mx.eval(model.parameters())
+    return model
