@@ -35,11 +35,12 @@ import numpy as np
 
 from .backend import Backend
 from .core.page import AllocClass
-from .core.pick import RetentionPolicy, plan_from_mask
+from .core.pick import RetentionPolicy
+from .core.retention_plan import plan_from_mask
 from .core.stream_units import MediaSetting, watermark_guard
 from .core.units import History, Span, SpanKind, Unit, UnitKind
 from .errors import MediaError, SessionBusyError
-from .media import SAMPLE_RATE, as_mono_audio, as_rgb_frame
+from .media_decode import SAMPLE_RATE, as_mono_audio, as_rgb_frame
 from .models.base import StreamAdapter, text_positions
 from .models.stream_units import profile_for_spec
 from .streaming.records import (  # noqa: F401  (the engine's API, defined in its parts)

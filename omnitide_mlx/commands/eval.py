@@ -222,7 +222,8 @@ def _run_study(args) -> int:
 
 
 def _run_text_experiment(args) -> int:
-    """``--experiment perplexity | drift`` (eval/perplexity.py)."""
+    """``--experiment perplexity | drift`` (eval/perplexity.py, eval/drift.py)."""
+    from ..eval import drift
     from ..eval import perplexity as px
     from ..eval.policies import parse_policy_spec, parse_watermarks
     from ..eval.store import RunFolderError
@@ -256,14 +257,14 @@ def _run_text_experiment(args) -> int:
         name, overrides = parse_policy_spec(policies[0])
         if overrides:
             raise ValueError("--experiment drift takes a policy name without options")
-        high, low = parse_watermarks(marks[0]) if marks else (px.DriftConfig.high, px.DriftConfig.low)
+        high, low = parse_watermarks(marks[0]) if marks else (drift.DriftConfig.high, drift.DriftConfig.low)
         try:
             checkpoints = tuple(sorted({int(x) for x in args.checkpoints.split(",") if x.strip()}))
         except ValueError:
             raise ValueError(f"--checkpoints {args.checkpoints!r} is not a comma-separated list of integers") from None
-        config = px.DriftConfig(model=path, units=args.units or px.DriftConfig.units, policy=name, high=high,
+        config = drift.DriftConfig(model=path, units=args.units or drift.DriftConfig.units, policy=name, high=high,
                                 low=low, checkpoints=checkpoints)
-        px.run_drift(config, out, overwrite=args.overwrite, log=log)
+        drift.run_drift(config, out, overwrite=args.overwrite, log=log)
         print((out / "drift.md").read_text(encoding="utf-8"))
         return 0
     except (GGUFError, RunFolderError, ValueError) as e:

@@ -23,7 +23,8 @@ import numpy as np
 from .errors import OmniTideError
 from .layout import LAYOUT_NAMES, layout_spec
 from .page import AllocClass, LayoutError, LayoutStats, MigrationPlanner, PageTable
-from .pick import RetentionPolicy, apply_plan, make_policy
+from .pick import RetentionPolicy, make_policy
+from .retention_plan import apply_plan
 from .profiles import ModelProfile, StreamSpec, build_unit, get_profile
 from .units import History
 

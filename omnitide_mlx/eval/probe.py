@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.pick import RetentionPlan, RetentionPolicy
+from ..core.pick import RetentionPolicy
+from ..core.retention_plan import RetentionPlan
 from ..core.units import History
 
 

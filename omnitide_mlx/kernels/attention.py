@@ -29,7 +29,7 @@ from importlib import resources
 import mlx.core as mx
 import numpy as np
 
-from ..core.tiles import NO_SEQ, AttentionError, plan_step_tiles
+from ..core.tiles import NO_SEQ, AttentionError, StepTiles, plan_step_tiles
 
 PREFILL_TILE = 64  # OmniPage page = llama.cpp Metal flash-attention KV tile
 DECODE_TILE = 32  # OmniPage subblock = llama.cpp Metal vector-kernel KV block
@@ -44,27 +44,52 @@ METAL_EMPTY = -1.0e30  # the kernel's log-sum-exp of an empty partial (finite: M
 
 @dataclass(frozen=True)
 class TilePlan:
-    """Host-side facts about one step's visible tiles, built once per step and shared by every layer."""
+    """One step's tile plan for the MLX kernels, built once per step and shared by every layer: the
+    framework-neutral :class:`~omnitide_mlx.core.tiles.StepTiles` (``step``) plus the MLX arrays the kernels read.
+    The numpy facts are read through ``step`` (``tile``, ``tiles``, ``tile_min``, ... below are its fields)."""
 
-    tile: int
-    capacity: int
-    tiles: np.ndarray  # sorted active tile ids (int64)
-    tile_min: np.ndarray  # per active tile: the smallest seq it holds (_NO_SEQ when it holds none)
-    q_seq_np: np.ndarray  # [T] int64
+    step: StepTiles
     slot_seq: mx.array  # [capacity] int32, as given (the Metal kernel reads it)
     key_seq: mx.array  # [capacity] int32, free slots -> _NO_SEQ (one comparison masks holes and the future)
     q_seq: mx.array  # [T] int32
     tiles_mx: mx.array  # [n_tiles] int32
-    key_np: np.ndarray  # [capacity] int64, free slots -> _NO_SEQ
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # per query block schedules
 
     @property
+    def tile(self) -> int:
+        return self.step.tile
+
+    @property
+    def capacity(self) -> int:
+        return self.step.capacity
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """Sorted active tile ids (int64)."""
+        return self.step.tiles
+
+    @property
+    def tile_min(self) -> np.ndarray:
+        """Per active tile: the smallest serial it holds (_NO_SEQ when it holds none)."""
+        return self.step.tile_min
+
+    @property
+    def q_seq_np(self) -> np.ndarray:
+        """[T] int64."""
+        return self.step.q_seq
+
+    @property
+    def key_np(self) -> np.ndarray:
+        """[capacity] int64, free slots -> _NO_SEQ."""
+        return self.step.visible_key
+
+    @property
     def n_tiles(self) -> int:
-        return int(self.tiles.shape[0])
+        return self.step.n_tiles
 
     @property
     def active_slots(self) -> int:
-        return self.n_tiles * self.tile
+        return self.step.active_slots
 
 
 def plan_tiles(slot_seq, q_seq, tiles, tile: int = PREFILL_TILE) -> TilePlan:
@@ -75,16 +100,11 @@ def plan_tiles(slot_seq, q_seq, tiles, tile: int = PREFILL_TILE) -> TilePlan:
                              f"got {tile!r}")
     step = plan_step_tiles(np.asarray(slot_seq).reshape(-1), np.asarray(q_seq).reshape(-1), tile, tiles)
     return TilePlan(
-        tile=step.tile,
-        capacity=step.capacity,
-        tiles=step.tiles,
-        tile_min=step.tile_min,
-        q_seq_np=step.q_seq,
+        step=step,
         slot_seq=mx.array(step.key_seq.astype(np.int32)),
         key_seq=mx.array(step.visible_key.astype(np.int32)),
         q_seq=mx.array(step.q_seq.astype(np.int32)),
         tiles_mx=mx.array(step.tiles.astype(np.int32)),
-        key_np=step.visible_key,
     )
 
 

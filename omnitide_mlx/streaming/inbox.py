@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..errors import MediaError, SessionError
-from ..media import SAMPLE_RATE
+from ..media_decode import SAMPLE_RATE
 from .records import UpdateRecord, _Pending, _Waiting, FRAME_WAIT_UNITS
 
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from ..core.page import AllocClass, MigrationPlanner
-from ..core.pick import RetentionPlan, apply_plan, plan_from_mask
+from ..core.retention_plan import RetentionPlan, apply_plan, plan_from_mask
 from ..core.units import UnitKind
 from ..errors import InputTooLargeError, SessionError
 from ..models.base import PreparedUnit

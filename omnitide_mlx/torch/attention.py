@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..core.tiles import AttentionError, plan_step_tiles
+from ..core.tiles import AttentionError, StepTiles, plan_step_tiles
 
 KERNELS = ("flex", "sdpa", "reference")
 FLEX_Q_BLOCK = 128  # query rows per FlexAttention block (its default sparse block size)
@@ -42,21 +42,35 @@ FLEX_Q_BLOCK = 128  # query rows per FlexAttention block (its default sparse blo
 
 @dataclass
 class StepPlan:
-    """What every layer of one forward step shares."""
+    """What every layer of one forward step shares: the framework-neutral
+    :class:`~omnitide_mlx.core.tiles.StepTiles` (``step``, its tiles are the active pages) plus the tensors."""
 
+    step: StepTiles
     key_seq: torch.Tensor  # [capacity] int64 on the device: serial per slot, -1 free (new slots included)
     q_seq: torch.Tensor  # [T] int64: serials of the step's tokens
-    pages: np.ndarray  # ascending indices of active pages (any retained entry, the new ones included)
-    page_size: int
-    span: int  # page-rounded end of the last active page
-    tokens: int
-    _key_seq_np: np.ndarray = field(repr=False, default=None)
-    _q_seq_np: np.ndarray = field(repr=False, default=None)
     _cache: dict = field(repr=False, default_factory=dict)  # per-kernel masks, built once per step
 
     @property
+    def pages(self) -> np.ndarray:
+        """Ascending indices of active pages (any retained entry, the new ones included)."""
+        return self.step.tiles
+
+    @property
+    def page_size(self) -> int:
+        return self.step.tile
+
+    @property
+    def span(self) -> int:
+        """Page-rounded end of the last active page."""
+        return self.step.span
+
+    @property
+    def tokens(self) -> int:
+        return int(self.step.q_seq.size)
+
+    @property
     def active_slots(self) -> int:
-        return int(self.pages.size) * self.page_size
+        return self.step.active_slots
 
 
 def plan_step(key_seq: np.ndarray, q_seq: np.ndarray, page_size: int, device) -> StepPlan:
@@ -67,9 +81,8 @@ def plan_step(key_seq: np.ndarray, q_seq: np.ndarray, page_size: int, device) ->
         raise AttentionError("a step has at least one query")
     if step.n_tiles == 0:
         raise AttentionError("no slot is occupied: the step's own tokens must be in key_seq")
-    return StepPlan(key_seq=torch.as_tensor(step.key_seq, device=device),
-                    q_seq=torch.as_tensor(step.q_seq, device=device), pages=step.tiles, page_size=page_size,
-                    span=step.span, tokens=int(step.q_seq.size), _key_seq_np=step.key_seq, _q_seq_np=step.q_seq)
+    return StepPlan(step=step, key_seq=torch.as_tensor(step.key_seq, device=device),
+                    q_seq=torch.as_tensor(step.q_seq, device=device))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
@@ -98,14 +111,14 @@ def block_lists(plan: StepPlan, q_block: int = FLEX_Q_BLOCK) -> tuple[list[np.nd
     of the block (its largest serial is at most the block's smallest query serial).
     """
     P = plan.page_size
-    ks = plan._key_seq_np.reshape(-1, P)
+    ks = plan.step.key_seq.reshape(-1, P)
     occ = ks >= 0
     big = np.iinfo(np.int64).max
     page_min = np.where(occ, ks, big).min(axis=1)
     page_max = np.where(occ, ks, -1).max(axis=1)
     page_full = occ.all(axis=1)
     partial, full = [], []
-    qs = plan._q_seq_np
+    qs = plan.step.q_seq
     for b0 in range(0, qs.size, q_block):
         block = qs[b0:b0 + q_block]
         seen = np.flatnonzero(page_min <= block.max())
@@ -138,7 +151,7 @@ def block_mask(plan: StepPlan, q_block: int = FLEX_Q_BLOCK):
     full_num, full_idx = _lists_tensor(full, n_pages, device)
     n_blocks = len(partial)
     # padded query rows (past T in the last block) get the largest serial: computed, then discarded by flex
-    q_pad = torch.full((n_blocks * q_block,), int(plan._q_seq_np.max()), dtype=torch.int64, device=device)
+    q_pad = torch.full((n_blocks * q_block,), int(plan.step.q_seq.max()), dtype=torch.int64, device=device)
     q_pad[: plan.tokens] = plan.q_seq
     key_seq = plan.key_seq
 

@@ -1,6 +1,7 @@
 """``omnitide bench stream`` on the tiny shape (seconds): the CLI, the JSON schema, the plot, and the machinery
 underneath (checkpoint states, restore, the keys-visited count, FLOPs, profiling that changes nothing)."""
 
+import dataclasses
 import json
 
 import mlx.core as mx
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from omnitide_mlx.bench import stream as bs
+from omnitide_mlx.bench.common import Timing
 from omnitide_mlx.bench.shape_models import SHAPES, ShapeTrueModel, update_flops
 from omnitide_mlx.cli import main
 from omnitide_mlx.core.page import AllocClass, PageTable
@@ -186,15 +188,22 @@ def test_cost_limit_is_none_when_the_probed_attention_outlasts_the_update():
     """Reproduces a CI flake under load: full context's probed attention CPU time above its update's made the
     predicted time negative and the cost-weighted limit negative (test_session_and_cost_limits asserted > 0)."""
     shape = SHAPES["qwen2.5-omni-3b"]
-    base = {"kind": "update", "checkpoint": 4096, "chunk_tokens": 64, "keys_visited": 4096, "flops": 1e9,
-            "flops_all_active": 1e9, "update_ms": 10.0, "attention_ms": 12.0, "maintenance_ms": 0.1}
-    full = {**base, "policy": "full", "update_cpu_ms": 10.0, "attention_cpu_ms": 12.0}
-    other = {**base, "policy": "omnitide", "flops": 5e8, "flops_all_active": 5e8, "keys_visited": 2048,
-             "update_cpu_ms": 6.0, "attention_cpu_ms": 5.0}
+    timing = Timing(1.0, 1.0, 1.0, 1)
+    zero = {f.name: 0 for f in dataclasses.fields(bs.UpdateRow) if f.default is dataclasses.MISSING}
+    base = {**zero, "checkpoint": 4096, "chunk_tokens": 64, "keys_visited": 4096, "flops": 1e9,
+            "flops_all_active": 1e9, "update_ms": 10.0, "attention_ms": 12.0, "maintenance_ms": 0.1,
+            "timing": timing, "attention_timing": timing}
+    full = bs.UpdateRow(**{**base, "policy": "full", "retention": "full", "update_cpu_ms": 10.0,
+                           "attention_cpu_ms": 12.0})
+    other = bs.UpdateRow(**{**base, "policy": "omnitide", "retention": "omnitide", "flops": 5e8,
+                            "flops_all_active": 5e8, "keys_visited": 2048, "update_cpu_ms": 6.0,
+                            "attention_cpu_ms": 5.0})
     rows = [full, other]
     bs.add_limits(rows, shape, shape)
-    assert all(r["cpu_cost_limit"] is None and r["cpu_ratio_to_cost_limit"] is None for r in rows)
-    assert other["flop_limit"] == 2.0
+    assert all(r.limits.cpu_cost_limit is None and r.limits.cpu_ratio_to_cost_limit is None for r in rows)
+    assert other.limits.flop_limit == 2.0
+    as_json = bs.row_json(other)  # the limits are flattened into the row's JSON, None values kept
+    assert as_json["kind"] == "update" and as_json["flop_limit"] == 2.0 and as_json["cpu_cost_limit"] is None
 
 
 # --- quantised KV side by side (--kv-bits) ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The perplexity and drift experiments (eval/perplexity.py): the shipped text, scoring equal to an offline
+"""The perplexity and drift experiments (eval/perplexity.py, eval/drift.py): the shipped text, scoring equal to an offline
 forward, positions="keep" exact on a real decoder, and both CLI experiments end to end on a tiny GGUF (seconds)."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _unit_ids(model, tok, units):
     s = OmniSession((model, tok), policy="full", system_prompt=px.SYSTEM_PROMPT)
     out = []
     for u in units:
-        out.append(px._prepared(s, u).input_ids)
+        out.append(px.prepared_unit(s, u).input_ids)
         s.push(text=u)
     return out
 
@@ -101,7 +101,7 @@ def test_keep_positions_equal_the_masked_full_cache_at_the_old_positions(tiny):
         c = KVCache()
         c.update_and_fetch(layer.keys[:, :, mx.array(slots), :], layer.values[:, :, mx.array(slots), :])
         reference.append(c)
-    prep = px._prepared(bounded, units[-1])
+    prep = px.prepared_unit(bounded, units[-1])
     lm = model.language_model
     want = lm(prep.inputs_embeds[None], reference, mx.array(prep.positions[0]))[0]
     bounded.push(text=units[-1])

@@ -50,9 +50,9 @@ of a process that held only this variant.
 
 # The code, by role: ``names`` (variant names, constants, the paper's figures; no array framework), ``profiling``
 # (the profiled engine cache and the step counter), ``variants`` (the ``Variant`` protocol, the engine and mlx-lm
-# variants), ``checkpoints`` (state install at no-slide checkpoints, the timed updates), ``limits`` (speedups
-# against the FLOP, key and cost limits), ``sessions`` (whole sessions), ``goal_checks`` (the goals),
-# ``runner`` (one run, the result dict), ``report`` (log lines, Markdown), ``plots`` (the figures, from the result
+# variants), ``rows`` (the typed rows and their JSON form), ``checkpoints`` (state install at no-slide checkpoints,
+# the timed updates), ``limits`` (speedups against the FLOP, key and cost limits), ``sessions`` (whole sessions),
+# ``goal_checks`` (the goals), ``runner`` (one run, the result dict), ``report`` (log lines, Markdown), ``plots`` (the figures, from the result
 # dict and ``names`` only) and ``cli`` (flags and entry point). This package re-exports the names callers use.
 
 from .checkpoints import CheckpointState, _median, _timing, bench_checkpoints, checkpoint_states
@@ -64,9 +64,11 @@ from .names import (ENGINE_POLICIES, KV_POLICIES, LAYOUT_TRIO, MAINTENANCE_GOAL,
                     RATIO_GOAL, UNBOUNDED, VARIANTS, quant_name, real_kv_bytes_per_token, split_variant)
 from .profiling import ProfiledBackend, ProfiledLayerCache, ProfiledOmniCache, StepCounter, tile_keys_visited
 from .report import _row_line, markdown
+from .rows import (AttentionEvent, AttentionSessionRow, EventAttention, Row, SessionAttention, SessionEvent,
+                   SessionLimits, SessionRow, UpdateLimits, UpdateRow, row_json)
 from .runner import _cache_limit, _run_bench, _uncommitted, default_session, run_bench
 from .sessions import _full_context_series, run_sessions, session_events
-from .variants import (_FRAME, _SECOND, EngineVariant, MlxLmVariant, Probe, Variant, _now, _quant_keys, _stored,
+from .variants import (_FRAME, _SECOND, EngineVariant, MlxLmVariant, Probe, Variant, _now, _stored,
                        make_variant)
 
 HELP = "stream-loop benchmark: update latency, attention, maintenance, sessions and memory for every policy"
@@ -83,8 +85,10 @@ __all__ = [
     "MLX_LM_QUANT", "MLX_LM_VARIANTS", "OMNIPAGE_GOAL", "PAPER_ACCURACY", "PAPER_SESSION", "PAPER_UPDATE_32K",
     "RATIO_GOAL", "UNBOUNDED", "VARIANTS", "quant_name", "real_kv_bytes_per_token", "split_variant",
     "ProfiledBackend", "ProfiledLayerCache", "ProfiledOmniCache", "StepCounter", "tile_keys_visited",
+    "AttentionEvent", "AttentionSessionRow", "EventAttention", "Row", "SessionAttention", "SessionEvent",
+    "SessionLimits", "SessionRow", "UpdateLimits", "UpdateRow", "row_json",
     "_row_line", "markdown", "_cache_limit", "_run_bench", "_uncommitted", "default_session", "run_bench",
     "_full_context_series", "run_sessions", "session_events",
-    "_FRAME", "_SECOND", "EngineVariant", "MlxLmVariant", "Probe", "Variant", "_now", "_quant_keys", "_stored",
+    "_FRAME", "_SECOND", "EngineVariant", "MlxLmVariant", "Probe", "Variant", "_now", "_stored",
     "make_variant",
 ]

@@ -19,7 +19,9 @@ from ..common import Timing
 from ..shape_models import ShapeTrueModel, update_flops
 from .limits import add_limits
 from .names import real_kv_bytes_per_token
-from .variants import Variant, _now, _quant_keys
+from .rows import UpdateRow
+from .variants import Variant, _now
+
 
 @dataclass
 class CheckpointState:
@@ -62,8 +64,8 @@ def _median(xs):
 
 
 def bench_checkpoints(model: ShapeTrueModel, variants: dict[str, Variant], checkpoints: list[int], stream: StreamSpec, *,
-                      reps: int, attention_reps: int, seed: int, log) -> list[dict]:
-    """Rows for every checkpoint and variant: ``reps`` updates and ``attention_reps`` attention probes each,
+                      reps: int, attention_reps: int, seed: int, log) -> list[UpdateRow]:
+    """Rows for every checkpoint and variant (``log``, when given, is called with each finished row): ``reps`` updates and ``attention_reps`` attention probes each,
     interleaved round by round (the round's first variant rotates)."""
     prof = model.profile
     chunk = prof.media_unit_tokens
@@ -124,31 +126,32 @@ def bench_checkpoints(model: ShapeTrueModel, variants: dict[str, Variant], check
             lay = sm[-1]["layout"]
             fstate = states[name][ci] if name in states else fs
             var = variants[name]
-            row = {
-                "kind": "update", "policy": name, "checkpoint": cp, "full_context_tokens": fs.full_context_tokens,
-                "chunk_tokens": chunk, "synthetic_kv": True, **_quant_keys(var),
-                "retained_before": (fstate.history.total_tokens if name in states
-                                    else variants[name].layout()["retained_cells"]),
-                "active_slots": pr[0].active_slots, "keys_visited": pr[0].keys_visited,
-                "flops": update_flops(s, s.layers, s.vocab, chunk, pr[0].keys_visited),
-                "flops_all_active": update_flops(s, s.layers, s.vocab, chunk, pr[0].active_slots * chunk),
-                "update_ms": round(statistics.median(x["wall"] for x in sm), 3),
-                "update_cpu_ms": round(statistics.median(x["cpu"] for x in sm), 3),
-                "prefill_ms": round(statistics.median(x["prefill"] for x in sm), 3),
-                "attention_ms": round(statistics.median(p.wall_ms for p in pr), 3),
-                "attention_cpu_ms": round(statistics.median(p.cpu_ms for p in pr), 3),
-                "maintenance_ms": round(statistics.median(x["maintenance"] for x in sm), 3),
-                "migrated_cells": sm[-1]["migrated"],
-                "timing": _timing([x["wall"] for x in sm], [x["cpu"] for x in sm]).to_json(),
-                "attention_timing": _timing([p.wall_ms for p in pr], [p.cpu_ms for p in pr]).to_json(),
-                **{k: lay[k] for k in ("retained_cells", "physical_span", "active_pages", "active_subblocks")},
-                "prefill_span": lay["prefill_span"],
-                "peak_span": max(fstate.peak_span if name in states else 0, lay["peak_span"]),
-                "kv_bytes": lay["kv_bytes"],
-                "kv_bytes_real_model": lay["retained_cells"] * real_kv_bytes_per_token(prof, var.kv_bits,
-                                                                                       var.kv_group_size or 64),
-                "peak_memory_bytes": int(statistics.median(x["peak"] for x in sm)),
-            }
+            row = UpdateRow(
+                policy=name, checkpoint=cp, full_context_tokens=fs.full_context_tokens, chunk_tokens=chunk,
+                retention=var.retention, kv_bits=var.kv_bits, kv_group_size=var.kv_group_size,
+                retained_before=(fstate.history.total_tokens if name in states
+                                 else variants[name].layout()["retained_cells"]),
+                active_slots=pr[0].active_slots, keys_visited=pr[0].keys_visited,
+                flops=update_flops(s, s.layers, s.vocab, chunk, pr[0].keys_visited),
+                flops_all_active=update_flops(s, s.layers, s.vocab, chunk, pr[0].active_slots * chunk),
+                update_ms=round(statistics.median(x["wall"] for x in sm), 3),
+                update_cpu_ms=round(statistics.median(x["cpu"] for x in sm), 3),
+                prefill_ms=round(statistics.median(x["prefill"] for x in sm), 3),
+                attention_ms=round(statistics.median(p.wall_ms for p in pr), 3),
+                attention_cpu_ms=round(statistics.median(p.cpu_ms for p in pr), 3),
+                maintenance_ms=round(statistics.median(x["maintenance"] for x in sm), 3),
+                migrated_cells=sm[-1]["migrated"],
+                timing=_timing([x["wall"] for x in sm], [x["cpu"] for x in sm]),
+                attention_timing=_timing([p.wall_ms for p in pr], [p.cpu_ms for p in pr]),
+                retained_cells=lay["retained_cells"], physical_span=lay["physical_span"],
+                active_pages=lay["active_pages"], active_subblocks=lay["active_subblocks"],
+                prefill_span=lay["prefill_span"],
+                peak_span=max(fstate.peak_span if name in states else 0, lay["peak_span"]),
+                kv_bytes=lay["kv_bytes"],
+                kv_bytes_real_model=lay["retained_cells"] * real_kv_bytes_per_token(prof, var.kv_bits,
+                                                                                    var.kv_group_size or 64),
+                peak_memory_bytes=int(statistics.median(x["peak"] for x in sm)),
+            )
             rows.append(row)
             if log:
                 log(row)

@@ -18,6 +18,7 @@ from .goal_checks import goals, kv_quant_info
 from .names import (ENGINE_POLICIES, MLX_LM_KEEP, MLX_LM_PREFILL_STEP, MLX_LM_QUANT, VARIANTS,
                     split_variant)
 from .report import _row_line
+from .rows import Row, row_json
 from .sessions import run_sessions
 from .variants import _now, make_variant
 
@@ -62,7 +63,7 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
     model = ShapeTrueModel(shape, layers=layers, vocab=vocab, seed=seed, setting=setting)
     prof = model.profile
     stream = StreamSpec(max(checkpoints, default=0) // prof.media_unit_tokens + 8, question_every=30, seed=seed)
-    rows: list[dict] = []
+    rows: list[Row] = []
     cost = {}
     if checkpoints:
         variants = {name: make_variant(name, model, kv_bits=kv_bits, kv_group_size=kv_group_size)
@@ -70,7 +71,7 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
         t0 = time.perf_counter()
         rows += bench_checkpoints(model, variants, checkpoints, stream, reps=reps,
                                   attention_reps=min(attention_reps, reps), seed=seed,
-                                  log=(lambda r: log(_row_line(r))) if log else None)
+                                  log=(lambda r: log(_row_line(row_json(r)))) if log else None)
         cost["checkpoints_s"] = round(time.perf_counter() - t0, 1)
         del variants
         gc.collect()
@@ -112,7 +113,7 @@ def _run_bench(shape, checkpoints, *, layers, vocab, reps, attention_reps, sessi
         "cost": cost,
         "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "mlx_cache_limit_bytes": _cache_limit(),
-        "rows": rows,
+        "rows": row_json(rows),  # the JSON boundary: typed rows become the result file's dicts
     }
     result["goals"] = goals(result)
     return result

@@ -13,7 +13,10 @@ from ...core.profiles import StreamSpec
 from ..shape_models import ShapeTrueModel, question_tokens, reply_closing_tokens, update_flops
 from .names import LAYOUT_TRIO, real_kv_bytes_per_token
 from .profiling import ProfiledOmniCache
-from .variants import Variant, _now, _quant_keys
+from .rows import (AttentionEvent, AttentionSessionRow, EventAttention, SessionAttention, SessionEvent, SessionLimits,
+                   SessionRow)
+from .variants import Variant, _now
+
 
 def session_events(stream: StreamSpec) -> list[tuple]:
     """("media", t) per second; ("ask", question tokens, reply tokens) for each question / reply pair."""
@@ -28,7 +31,8 @@ def session_events(stream: StreamSpec) -> list[tuple]:
     return out
 
 
-def run_sessions(model: ShapeTrueModel, variants: dict[str, Variant], stream: StreamSpec, log) -> list[dict]:
+def run_sessions(model: ShapeTrueModel, variants: dict[str, Variant], stream: StreamSpec, log
+                 ) -> list[SessionRow | AttentionSessionRow]:
     """Every variant streams the same session, taking turns event by event; one row per variant, and for the
     OmniPick layouts (native, OmniPage, eager) one ``attention_session`` row (figure 15). Engine variants should be
     profiled (``make_variant(..., profiled=True)``) for the attention series."""
@@ -37,7 +41,8 @@ def run_sessions(model: ShapeTrueModel, variants: dict[str, Variant], stream: St
         if isinstance(getattr(getattr(var, "session", None), "cache", None), ProfiledOmniCache):
             var.session.cache.attention_s = {"prefill": 0.0, "decode": 0.0}
     events = session_events(stream)
-    series = {name: [] for name in variants}
+    full_context = _full_context_series(model, events)
+    series: dict[str, list[SessionEvent]] = {name: [] for name in variants}
     wall = {name: 0.0 for name in variants}
     cpu = {name: 0.0 for name in variants}
     order = list(variants)
@@ -59,69 +64,76 @@ def run_sessions(model: ShapeTrueModel, variants: dict[str, Variant], stream: St
             wall[name] += t1 - t0
             cpu[name] += c1 - c0
             lay = var.layout()
-            rec = {"event": i, "kind": ev[0], "ms": round((t1 - t0) * 1000, 2), "cpu_ms": round((c1 - c0) * 1000, 2),
-                   "retained_cells": lay["retained_cells"], "physical_span": lay["physical_span"],
-                   "active_pages": lay["active_pages"], "kv_bytes": lay["kv_bytes"], "peak_memory_bytes": int(peak),
-                   "evictions": var.counters()["evictions"]}
             cache = getattr(getattr(var, "session", None), "cache", None)
+            attention = None
             if isinstance(cache, ProfiledOmniCache):
-                rec.update(prefill_attention_ms=round(cache.attention_s["prefill"] * 1000, 3),
-                           decode_attention_ms=round(cache.attention_s["decode"] * 1000, 3),
-                           migration_ms=round(cache.migration_s * 1000, 3))
+                attention = EventAttention(prefill_attention_ms=round(cache.attention_s["prefill"] * 1000, 3),
+                                           decode_attention_ms=round(cache.attention_s["decode"] * 1000, 3),
+                                           migration_ms=round(cache.migration_s * 1000, 3))
+            rec = SessionEvent(event=i, kind=ev[0], ms=round((t1 - t0) * 1000, 2), cpu_ms=round((c1 - c0) * 1000, 2),
+                               retained_cells=lay["retained_cells"], physical_span=lay["physical_span"],
+                               active_pages=lay["active_pages"], kv_bytes=lay["kv_bytes"],
+                               peak_memory_bytes=int(peak), evictions=var.counters()["evictions"],
+                               attention=attention, full_context_tokens=full_context[i])
             series[name].append(rec)
         if log:
             log(f"  session event {i + 1}/{len(events)} ({ev[0]}) done, {time.perf_counter() - t_start:.0f} s")
-    rows = []
+    rows: list[SessionRow | AttentionSessionRow] = []
     for name, var in variants.items():
         c = var.counters()
         lay = var.layout()
         ser = series[name]
-        for rec, tok in zip(ser, _full_context_series(model, events)):
-            rec["full_context_tokens"] = tok
         session_s = wall[name]
         maint = c["maintenance_ms"] / 1000
         s = model.shape
         steps = var.step_log()
         keys = {"prefill": sum(k for t, k in steps if t > DECODE_MAX_TOKENS),
                 "decode": sum(k for t, k in steps if t <= DECODE_MAX_TOKENS)}
-        rows.append({
-            "kind": "session", "policy": name, "synthetic_kv": False, **_quant_keys(var),
-            "session_s": round(session_s, 3), "session_cpu_s": round(cpu[name], 3),
-            "prefill_s": round(c["prefill_ms"] / 1000, 3), "decode_s": round(c["decode_ms"] / 1000, 3),
-            "maintenance_s": round(maint, 4), "maintenance_share": round(maint / session_s, 5),
-            "flops": sum(update_flops(s, s.layers, s.vocab, t, k) for t, k in steps),
-            "prefill_keys_visited": keys["prefill"], "decode_keys_visited": keys["decode"],
-            "other_s": round(session_s - (c["prefill_ms"] + c["decode_ms"] + c["maintenance_ms"]) / 1000, 3),
-            "units": sum(1 for e in events if e[0] == "media"), "questions": sum(1 for e in events if e[0] == "ask"),
-            "decoded_tokens": c["decoded_tokens"], "evictions": c["evictions"], "migrations": c["migrations"],
-            "migrated_cells": c["migrated_cells"], "full_context_tokens": ser[-1]["full_context_tokens"],
-            **{k: lay[k] for k in ("retained_cells", "physical_span", "active_pages", "active_subblocks",
-                                   "peak_span", "kv_bytes")},
-            "kv_bytes_real_model": lay["retained_cells"] * real_kv_bytes_per_token(model.profile, var.kv_bits,
-                                                                                   var.kv_group_size or 64),
-            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ser),
-            "series": ser,
-        })
         cache = getattr(getattr(var, "session", None), "cache", None)
-        if isinstance(cache, ProfiledOmniCache):
-            rows[-1].update(prefill_attention_s=round(cache.attention_s["prefill"], 4),
-                            decode_attention_s=round(cache.attention_s["decode"], 4),
-                            migration_s=round(cache.migration_s, 4))
-            if name in LAYOUT_TRIO:
-                rows.append({"kind": "attention_session", "policy": name, "layout": var.policy.layout,
-                             **{k: rows[-1][k] for k in ("prefill_attention_s", "decode_attention_s", "migration_s",
-                                                         "migrations", "migrated_cells", "maintenance_s",
-                                                         "prefill_keys_visited", "decode_keys_visited")},
-                             "series": [{k: e[k] for k in ("event", "kind", "prefill_attention_ms",
-                                                           "decode_attention_ms", "migration_ms", "active_pages")}
-                                        for e in ser]})
-    full = next((r for r in rows if r["kind"] == "session" and r["policy"] == "full"), None)
+        profiled = isinstance(cache, ProfiledOmniCache)
+        row = SessionRow(
+            policy=name, retention=var.retention, kv_bits=var.kv_bits, kv_group_size=var.kv_group_size,
+            session_s=round(session_s, 3), session_cpu_s=round(cpu[name], 3),
+            prefill_s=round(c["prefill_ms"] / 1000, 3), decode_s=round(c["decode_ms"] / 1000, 3),
+            maintenance_s=round(maint, 4), maintenance_share=round(maint / session_s, 5),
+            flops=sum(update_flops(s, s.layers, s.vocab, t, k) for t, k in steps),
+            prefill_keys_visited=keys["prefill"], decode_keys_visited=keys["decode"],
+            other_s=round(session_s - (c["prefill_ms"] + c["decode_ms"] + c["maintenance_ms"]) / 1000, 3),
+            units=sum(1 for e in events if e[0] == "media"), questions=sum(1 for e in events if e[0] == "ask"),
+            decoded_tokens=c["decoded_tokens"], evictions=c["evictions"], migrations=c["migrations"],
+            migrated_cells=c["migrated_cells"], full_context_tokens=ser[-1].full_context_tokens,
+            retained_cells=lay["retained_cells"], physical_span=lay["physical_span"],
+            active_pages=lay["active_pages"], active_subblocks=lay["active_subblocks"], peak_span=lay["peak_span"],
+            kv_bytes=lay["kv_bytes"],
+            kv_bytes_real_model=lay["retained_cells"] * real_kv_bytes_per_token(model.profile, var.kv_bits,
+                                                                                var.kv_group_size or 64),
+            peak_memory_bytes=max(r.peak_memory_bytes for r in ser),
+            series=ser,
+            attention=SessionAttention(prefill_attention_s=round(cache.attention_s["prefill"], 4),
+                                       decode_attention_s=round(cache.attention_s["decode"], 4),
+                                       migration_s=round(cache.migration_s, 4)) if profiled else None,
+        )
+        rows.append(row)
+        if profiled and name in LAYOUT_TRIO:
+            att = row.attention
+            rows.append(AttentionSessionRow(
+                policy=name, layout=var.policy.layout, prefill_attention_s=att.prefill_attention_s,
+                decode_attention_s=att.decode_attention_s, migration_s=att.migration_s, migrations=row.migrations,
+                migrated_cells=row.migrated_cells, maintenance_s=row.maintenance_s,
+                prefill_keys_visited=row.prefill_keys_visited, decode_keys_visited=row.decode_keys_visited,
+                series=[AttentionEvent(event=e.event, kind=e.kind,
+                                       prefill_attention_ms=e.attention.prefill_attention_ms,
+                                       decode_attention_ms=e.attention.decode_attention_ms,
+                                       migration_ms=e.attention.migration_ms, active_pages=e.active_pages)
+                        for e in ser]))
+    full = next((r for r in rows if isinstance(r, SessionRow) and r.policy == "full"), None)
     for r in rows:
-        if r["kind"] == "session" and full is not None:
-            r.update(flop_limit=round(full["flops"] / r["flops"], 4),
-                     speedup=round(full["session_s"] / r["session_s"], 4),
-                     cpu_speedup=round(full["session_cpu_s"] / r["session_cpu_s"], 4))
-            r["ratio_to_limit"] = round(r["speedup"] / r["flop_limit"], 4)
+        if isinstance(r, SessionRow) and full is not None:
+            flop_limit = round(full.flops / r.flops, 4)
+            speedup = round(full.session_s / r.session_s, 4)
+            r.limits = SessionLimits(flop_limit=flop_limit, speedup=speedup,
+                                     cpu_speedup=round(full.session_cpu_s / r.session_cpu_s, 4),
+                                     ratio_to_limit=round(speedup / flop_limit, 4))
     return rows
 
 

@@ -376,9 +376,3 @@ def make_variant(name: str, model: ShapeTrueModel, profiled: bool = False, kv_bi
     if base not in ENGINE_POLICIES:
         raise ValueError(f"unknown variant {name!r}")
     return EngineVariant(name, model, profiled=profiled, kv_bits=bits, kv_group_size=kv_group_size)
-
-
-
-def _quant_keys(var) -> dict:
-    """A row's retention and KV quantisation (None, None for float K/V)."""
-    return {"retention": var.retention, "kv_bits": var.kv_bits, "kv_group_size": var.kv_group_size}
