@@ -70,6 +70,7 @@ class SpeechOptions:
     guidance_scale: float = 0.5
     sway_coefficient: float = -1.0
     seed: int | None = None
+    tts_sampling: "TTSSampling | None" = None  # MiniCPM-o's TTS sampling (default: the official TTSSamplingParams)
 
 
 class ChunkedToken2Wav:
@@ -130,22 +131,39 @@ class ChunkedToken2Wav:
         return out
 
 
-def speech_for(session) -> Speech:
-    """The session's talker + token2wav + voices, loaded on first use from the model's checkpoint folder."""
+def speech_for(session) -> "Speech | MiniCPMSpeech":
+    """The session's speech models, loaded on first use from the model's checkpoint folder: Qwen2.5-Omni's talker +
+    token2wav + voices, or MiniCPM-o's TTS + StepAudio2 token2wav + voices."""
     speech = getattr(session, "_speech", None)
     if speech is None:
         path = getattr(session.model, "checkpoint_path", None)
-        if path is None or not hasattr(session.model, "language_model"):
+        if hasattr(session.model, "require_tts"):  # MiniCPM-o: its TTS loads with the model, token2wav here
+            from .models.minicpmo.speech import load_minicpm_speech
+
+            speech = load_minicpm_speech(session.model, path)
+        elif path is None or not hasattr(session.model, "language_model"):
             raise SpeechUnavailable(f"{type(session.model).__name__} has no talker: this model answers in text only")
-        speech = load_speech(path)
+        else:
+            speech = load_speech(path)
         session._speech = speech
     return speech
 
 
-def spoken_reply(session, ask, question: str, speech: Speech, options: SpeechOptions,
+def spoken_reply(session, ask, question: str, speech, options: SpeechOptions,
                  **ask_kwargs) -> Iterator[str | AudioChunk]:
     """Text pieces and audio chunks of one reply. ``ask(question, on_forward=..., **ask_kwargs)`` is the engine's
     text ask; ``speech`` and the speaker were checked by the caller before anything ran."""
+    if not isinstance(speech, Speech):
+        from .models.minicpmo.speech import MiniCPMSpeech
+
+        if isinstance(speech, MiniCPMSpeech):
+            return minicpm_spoken_reply(session, ask, question, speech, options, **ask_kwargs)
+        raise TypeError(f"no spoken-reply driver for {type(speech).__name__}")
+    return _qwen_spoken_reply(session, ask, question, speech, options, **ask_kwargs)
+
+
+def _qwen_spoken_reply(session, ask, question: str, speech: Speech, options: SpeechOptions,
+                       **ask_kwargs) -> Iterator[str | AudioChunk]:
     thinker = session.model
     tracks: list[mx.array] = []
     prompt: dict = {}
@@ -212,6 +230,106 @@ def spoken_reply(session, ask, question: str, speech: Speech, options: SpeechOpt
             yield AudioChunk(np.zeros(0, np.float32), sr, state["chunks"], final=True, note=note)
     finally:
         state["stream"] = None  # the talker's KV cache goes with the reply
+        session._hidden = None
+
+
+class MiniCPMVoicer:
+    """One MiniCPM-o reply spoken as the official ``streaming_generate`` does (modeling_minicpmo.py at 28b60cf):
+    the reply's tokens, with the final-norm hidden state of the forward that fed each one back, go to the TTS in
+    text chunks of 10; the TTS hands out audio tokens 25 at a time; token2wav streams windows of 25 fresh tokens
+    plus 3 of lookahead behind 3 silence tokens. One deviation: the official loop may send a window marked last and
+    then its 3 leftover tokens marked last again; here the reply's last audio goes to token2wav in one final push."""
+
+    def __init__(self, speech, options: SpeechOptions):
+        from .models.minicpmo.speech import SILENCE_PREFIX, SILENCE_TOKEN
+        from .models.minicpmo.tts import TTSSampling
+
+        self.speech = speech
+        voice = speech.voice(options.speaker)
+        speech.token2wav.n_timesteps = int(options.num_steps)
+        self.reply = speech.tts.start_reply(options.tts_sampling or TTSSampling(), seed=options.seed)
+        self.stream = speech.token2wav.start_stream(voice)
+        self.ids: list[int] = []
+        self.hidden: list[mx.array] = []
+        self.fed = 0
+        self.audio_tokens = 0
+        self.buffer = [SILENCE_TOKEN] * SILENCE_PREFIX
+        self._prompt_seen = False
+        self.finished = False
+
+    def on_forward(self, ids, embeds, hidden) -> None:
+        if hidden is None:
+            raise RuntimeError("the session backend did not capture hidden states")
+        if not self._prompt_seen:  # the question unit: the TTS reads the reply only
+            self._prompt_seen = True
+            return
+        self.ids.extend(int(i) for i in np.asarray(ids).reshape(-1))
+        self.hidden.append(hidden.reshape(-1, hidden.shape[-1]))
+
+    def _text_chunk(self, a: int, b: int):
+        h = mx.concatenate(self.hidden, axis=0)[a:b] if b > a else mx.zeros((0, self.hidden[0].shape[-1]))
+        return np.asarray(self.ids[a:b], dtype=np.int64), h
+
+    def _vocode(self, chunks: list[list[int]], last: bool) -> list[np.ndarray]:
+        from .models.minicpmo.speech import T2W_CHUNK
+
+        look = self.speech.token2wav.flow.cfg.encoder.pre_lookahead_len
+        out = []
+        for chunk in chunks:
+            self.audio_tokens += len(chunk)
+            self.buffer += [int(t) for t in chunk]
+            while not last and len(self.buffer) >= T2W_CHUNK + look:
+                out.append(self.stream.push(self.buffer[:T2W_CHUNK + look]))
+                self.buffer = self.buffer[T2W_CHUNK:]
+        if last:
+            out.append(self.stream.push(self.buffer, last=True))
+            self.buffer = []
+        return [np.asarray(x, dtype=np.float32).reshape(-1) for x in out]
+
+    def pump(self, final: bool) -> list[np.ndarray]:
+        """Feed the complete text chunks (all of the rest when ``final``) and return the audio ready now."""
+        from .models.minicpmo.speech import TEXT_CHUNK
+
+        out = []
+        while len(self.ids) - self.fed >= TEXT_CHUNK:
+            ids, h = self._text_chunk(self.fed, self.fed + TEXT_CHUNK)
+            self.fed += TEXT_CHUNK
+            out += self._vocode(self.reply.feed(ids, h), last=False)
+        if final and not self.finished:
+            ids, h = self._text_chunk(self.fed, len(self.ids))
+            self.fed = len(self.ids)
+            out += self._vocode(self.reply.feed(ids, h, last=True), last=True)
+            self.finished = True
+        return [x for x in out if x.size]
+
+
+def minicpm_spoken_reply(session, ask, question: str, speech, options: SpeechOptions,
+                         **ask_kwargs) -> Iterator[str | AudioChunk]:
+    """MiniCPM-o's text pieces and audio chunks of one reply (:class:`MiniCPMVoicer`)."""
+    voicer = MiniCPMVoicer(speech, options)
+    sr = speech.sample_rate
+    said, index = "", 0
+    try:
+        for piece in ask(question, on_forward=voicer.on_forward, **ask_kwargs):
+            said += piece
+            yield piece
+            if said.strip():
+                for pcm in voicer.pump(final=False):
+                    yield AudioChunk(pcm, sr, index)
+                    index += 1
+        if not said.strip():
+            yield AudioChunk(np.zeros(0, np.float32), sr, index, final=True,
+                             note="the reply has no text to speak: text only")
+            return
+        chunks = voicer.pump(final=True)
+        if chunks:
+            for j, pcm in enumerate(chunks):
+                yield AudioChunk(pcm, sr, index, final=j == len(chunks) - 1)
+                index += 1
+        else:
+            note = "" if voicer.audio_tokens else "no speech: the TTS ended the reply before its first audio token"
+            yield AudioChunk(np.zeros(0, np.float32), sr, index, final=True, note=note)
+    finally:
         session._hidden = None
 
 

@@ -77,3 +77,33 @@ def test_convert_keeps_speech_as_safetensors(speaking, tmp_path):
     codes = [1, 5, 9, 2, 7, 3]
     noise = a.noise(len(codes), seed=0)
     np.testing.assert_array_equal(a.wav(codes, "Ethan", noise, num_steps=2), b.wav(codes, "Ethan", noise, num_steps=2))
+
+
+@pytest.fixture(scope="module")
+def speaking_minicpmo(tmp_path_factory):
+    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("speaking_cli_mcpm") / "tiny", tts=True, seed=3)
+
+
+def test_stream_speak_on_minicpmo_writes_24khz_answers(speaking_minicpmo, media_dir, tmp_path):
+    out = tmp_path / "answers"
+    r = omnitide("stream", "--model", speaking_minicpmo, "--video", media_dir / "video_10s_av.mp4", "--seconds", 2,
+                 "--ask", "2:What do you see?", "--max-tokens", 24, "--speak", "--audio-out", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("A: ") == 1
+    wavs = sorted(out.glob("*.wav"))
+    assert len(wavs) == 1, r.stderr
+    with wave.open(str(wavs[0])) as f:
+        assert (f.getframerate(), f.getnchannels(), f.getsampwidth()) == (24000, 1, 2)
+        assert f.getnframes() > 0 and f.getnframes() % 480 == 0  # 480 samples a mel frame, 2 frames a token
+
+
+def test_generate_speak_on_minicpmo_and_unknown_voice(speaking_minicpmo, tmp_path):
+    r = omnitide("generate", "--model", speaking_minicpmo, "--prompt", "Say something.", "--speak",
+                 "--audio-out", tmp_path / "a", "-m", 16)
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "a").glob("*.wav"))) == 1, r.stderr
+    r = omnitide("generate", "--model", speaking_minicpmo, "--prompt", "Hi", "--speak", "--speaker", "Nobody",
+                 "--audio-out", tmp_path / "b", "-m", 2)
+    assert r.returncode == 1 and "unknown speaker 'Nobody'" in r.stderr and "default" in r.stderr

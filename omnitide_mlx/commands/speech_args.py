@@ -11,9 +11,11 @@ from .options import UsageError
 
 def add_speech_arguments(p) -> None:
     p.add_argument("--speak", action="store_true",
-                   help="also answer in speech (Qwen2.5-Omni checkpoints with talker weights): one wav per answer")
+                   help="also answer in speech (Qwen2.5-Omni with talker weights; MiniCPM-o 4.5 with its TTS and "
+                        "assets/token2wav): one wav per answer")
     p.add_argument("--speaker", default=None, metavar="NAME",
-                   help="the voice (the checkpoint's spk_dict.pt: Chelsie or Ethan in the released models)")
+                   help="the voice: Qwen2.5-Omni, a name in spk_dict.pt (Chelsie or Ethan in the released models); "
+                        "MiniCPM-o, a voice in assets/token2wav (default: voice.safetensors) or a voice file's path")
     p.add_argument("--audio-out", default=None, metavar="DIR",
                    help="folder for the spoken answers' wav files (default: ./answers)")
     p.add_argument("--play", action="store_true", help="also play the spoken answers (needs sounddevice)")

@@ -62,4 +62,5 @@ def load_model(path: Path, config: dict, dtype=None, lazy: bool = False, **_):
         raise CheckpointError(f"{path}: the tokenizer has {len(processor.tokenizer)} tokens but vocab_size is "
                               f"{cfg.text.vocab_size}")
     model.eval()
+    model.checkpoint_path = path  # token2wav and the voices load from here (assets/token2wav) on the first spoken reply
     return model, processor

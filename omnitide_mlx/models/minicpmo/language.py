@@ -90,15 +90,17 @@ class LanguageModel(nn.Module):
                 h = layer(h, pos, c)
         return self.model.norm(h)
 
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Logits of final-norm hidden states (a spoken reply computes both from one forward)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
     def __call__(self, inputs_embeds: mx.array, cache=None, positions=None, last_only: bool = False) -> mx.array:
         """Logits ``[B, T, vocab]``; ``last_only``: of the last position only (``[B, 1, vocab]``), all a streaming
         prefill needs (the full logits of a unit cost a vocabulary-wide matmul per token)."""
         h = self.hidden_states(inputs_embeds, cache, positions)
-        if last_only:
-            h = h[:, -1:]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return self.logits(h[:, -1:] if last_only else h)
 
     def make_cache(self):
         """One mlx-lm ``KVCache`` per layer (plain, unbounded: for tests and the simplex session)."""

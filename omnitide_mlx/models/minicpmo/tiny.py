@@ -77,8 +77,11 @@ def tiny_tts_config(llm_dim: int = 128, **overrides) -> dict:
     return cfg
 
 
-def random_tts_weights(tts_config: dict, seed: int) -> dict[str, np.ndarray]:
-    """Random ``tts.*`` weights in the official layout (weight_norm unmaterialised, the unused keys included)."""
+def random_tts_weights(tts_config: dict, seed: int, eos_gain: float = 1.0) -> dict[str, np.ndarray]:
+    """Random ``tts.*`` weights in the official layout (weight_norm unmaterialised, the unused keys included).
+    ``eos_gain`` multiplies the audio-eos row's weight_norm gain: random weights almost never pick the eos, so each
+    text chunk would run to the 500-token cap; a larger gain ends chunks after a few dozen tokens as a trained TTS
+    does (about 25 a chunk)."""
     from .tts import MiniCPMTTS, TTSArgs
 
     args = TTSArgs.from_dict(tts_config)
@@ -90,6 +93,7 @@ def random_tts_weights(tts_config: dict, seed: int) -> dict[str, np.ndarray]:
         if m:
             out[f"tts.head_code.{m.group(1)}.parametrizations.weight.original0"] = \
                 (0.5 + np.abs(rng.standard_normal((v.shape[0], 1)))).astype(np.float32)
+            out[f"tts.head_code.{m.group(1)}.parametrizations.weight.original0"][args.eos_token_id] *= eos_gain
             out[f"tts.head_code.{m.group(1)}.parametrizations.weight.original1"] = v
         else:
             out[f"tts.{k}"] = v
@@ -152,7 +156,7 @@ def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Pa
     model = Model(ModelConfig.from_dict(cfg))
     weights = to_official_layout(random_weights(model, seed))
     if tts:
-        weights.update(random_tts_weights(cfg["tts_config"], seed + 7))
+        weights.update(random_tts_weights(cfg["tts_config"], seed + 7, eos_gain=5.0))  # chunks of ~25-100 tokens
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     src = Path(tokenizer_dir) if tokenizer_dir is not None else default_tokenizer_dir()
@@ -163,4 +167,9 @@ def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Pa
     for f in TOKENIZER_FILES:
         shutil.copy2(src / f, dst / f)
     (dst / "tokenizer.json").write_bytes(b"")  # empty, as in the released checkpoint: rebuilt on load
+    if tts:  # and the token2wav folder the TTS speaks through, where the released checkpoint keeps it
+        from ..stepaudio2.tiny import write_tiny_token2wav
+        from .speech import TOKEN2WAV_DIR
+
+        write_tiny_token2wav(dst / TOKEN2WAV_DIR, seed=seed + 11)
     return dst

@@ -63,7 +63,9 @@ def test_torch_arange_emulation_matches_torch():
 
 
 def test_resampler_sincos_table(golden):
-    assert max_diff(sincos_2d(128, 70, 70), golden["resampler_pos_embed"]) == 0.0
+    # float32 arguments up to 69 rad: numpy's SIMD sin/cos (and einsum's FMA use) vary by CPU, and one ulp of the
+    # argument (7.6e-6) moves the value by as much; bit-equal on the machine that made the golden, 1.9e-6 on another
+    assert max_diff(sincos_2d(128, 70, 70), golden["resampler_pos_embed"]) <= 1e-5
 
 
 def test_vision_tower(fixture_model, golden, official):

@@ -1,0 +1,116 @@
+"""``OmniSession.ask(speak=True)`` on MiniCPM-o 4.5: the TTS reads the reply's hidden states as the engine streams
+the text (no second pass) and StepAudio2's token2wav turns its audio tokens into 24 kHz chunks, the official
+``streaming_generate`` way (text chunks of 10, audio windows of 25 + 3 behind 3 silence tokens)."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omnitide_mlx import OmniSession
+from omnitide_mlx.models.minicpmo.speech import TEXT_CHUNK, TOKEN2WAV_DIR
+from omnitide_mlx.models.minicpmo.tts import TTSSampling
+from omnitide_mlx.models.qwen2_5_omni.speech import SpeechUnavailable
+from omnitide_mlx.speech import AudioChunk, MiniCPMVoicer, SpeechOptions, speech_for
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("mcpm_speech") / "tiny", tts=True, seed=3)
+
+
+def _session(path):
+    s = OmniSession(str(path))
+    s.push(text="A red ball rolls across the kitchen floor while a dog watches it.")
+    return s
+
+
+def _ask(session, **kw):
+    opts = SpeechOptions(seed=0, tts_sampling=TTSSampling(max_new_tokens_per_chunk=60), **kw)
+    return list(session.ask("What is happening?", speak=True, max_tokens=32, speech=opts))
+
+
+def test_spoken_reply_streams_audio_before_the_text_ends(ckpt):
+    items = _ask(_session(ckpt))
+    text = [i for i in items if isinstance(i, str)]
+    audio = [i for i in items if isinstance(i, AudioChunk)]
+    assert len(text) > TEXT_CHUNK and audio
+    first_audio = next(k for k, i in enumerate(items) if isinstance(i, AudioChunk))
+    assert first_audio < max(k for k, i in enumerate(items) if isinstance(i, str))  # speech starts mid-reply
+    assert [a.index for a in audio] == list(range(len(audio)))
+    assert audio[-1].final and not any(a.final for a in audio[:-1])
+    for a in audio:
+        assert a.sample_rate == 24000 and a.pcm.dtype == np.float32 and np.isfinite(a.pcm).all()
+        assert a.pcm.size % 480 == 0  # whole mel frames
+    # speaking does not change what is said: the same greedy text as a text-only ask
+    plain = "".join(_session(ckpt).ask("What is happening?", max_tokens=32))
+    assert "".join(text) == plain
+
+
+def test_same_seed_same_audio(ckpt):
+    a = np.concatenate([i.pcm for i in _ask(_session(ckpt)) if isinstance(i, AudioChunk)])
+    b = np.concatenate([i.pcm for i in _ask(_session(ckpt)) if isinstance(i, AudioChunk)])
+    np.testing.assert_array_equal(a, b)
+
+
+def test_tts_reads_the_hidden_states_of_the_streamed_reply(ckpt):
+    """The TTS gets, for each reply token, the final-norm hidden state of the forward that fed it back (no second
+    pass): through the LM head each one gives back the greedy choice of the next reply token."""
+    session = _session(ckpt)
+    voicer = MiniCPMVoicer(speech_for(session), SpeechOptions(seed=0, tts_sampling=TTSSampling(
+        greedy=True, max_new_tokens_per_chunk=30)))
+    pieces = list(session.ask("What is happening?", max_tokens=16, on_forward=voicer.on_forward))
+    assert pieces and len(voicer.ids) >= TEXT_CHUNK
+    streamed = mx.concatenate(voicer.hidden, axis=0)
+    assert streamed.shape == (len(voicer.ids), session.model.language_model.args.hidden_size)
+    logits = session.model.language_model.logits(streamed[None])[0]
+    assert np.array_equal(np.argmax(np.array(logits[:-1]), axis=-1), np.asarray(voicer.ids[1:]))
+    chunks = voicer.pump(final=True)
+    assert voicer.audio_tokens > 0 and sum(c.size for c in chunks) > 0
+
+
+def test_unknown_speaker_fails_before_the_reply(ckpt):
+    session = _session(ckpt)
+    n = session.history.total_tokens
+    with pytest.raises(ValueError, match="unknown speaker 'Nobody'.*default"):
+        session.ask("Hi?", speak=True, speaker="Nobody")
+    assert session.history.total_tokens == n  # nothing ran
+
+
+def test_speaker_may_be_a_voice_file(ckpt, tmp_path):
+    voice = tmp_path / "mine.safetensors"
+    shutil.copy(ckpt / TOKEN2WAV_DIR / "voice.safetensors", voice)
+    items = _ask(_session(ckpt), speaker=str(voice))
+    assert any(isinstance(i, AudioChunk) and i.pcm.size for i in items)
+
+
+def test_checkpoint_without_token2wav_or_unconverted_is_a_clear_error(ckpt, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("assets"))
+    with pytest.raises(SpeechUnavailable, match="no token2wav folder"):
+        OmniSession(str(bare)).ask("Hi?", speak=True)
+    pt = tmp_path / "pt"
+    shutil.copytree(ckpt, pt)
+    for f in (pt / TOKEN2WAV_DIR).glob("*.safetensors"):
+        if f.name != "voice.safetensors":
+            f.unlink()
+    (pt / TOKEN2WAV_DIR / "flow.pt").write_bytes(b"not read")
+    with pytest.raises(SpeechUnavailable, match="omnitide convert --token2wav"):
+        OmniSession(str(pt)).ask("Hi?", speak=True)
+
+
+def test_checkpoint_without_tts_is_text_only(tiny_checkpoints):
+    with pytest.raises(SpeechUnavailable, match="no TTS"):
+        OmniSession(str(tiny_checkpoints["minicpmo"])).ask("Hi?", speak=True)
+
+
+def test_reply_without_text_has_a_text_only_note(ckpt):
+    """A stop string that cuts the whole reply leaves nothing to speak: a final empty chunk says so."""
+    first = next(iter(_session(ckpt).ask("Hi?", max_tokens=1)))
+    items = list(_session(ckpt).ask("Hi?", speak=True, max_tokens=4, stop=[first]))
+    assert "".join(i for i in items if isinstance(i, str)) == ""
+    audio = [i for i in items if isinstance(i, AudioChunk)]
+    assert len(audio) == 1 and audio[0].final and audio[0].pcm.size == 0 and "text only" in audio[0].note
