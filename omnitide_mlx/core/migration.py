@@ -156,13 +156,13 @@ def _pack_into_earlier(table: PageTable, cand: np.ndarray, free: np.ndarray) -> 
     is past its next candidate. Destinations are free slots only, so sources and destinations are disjoint.
     One cursor per class suffices: a page's eligibility only narrows as the plan fills it."""
     P = table.page_size
-    page_cls = table.page_class_counts()
+    class_counts = table.page_class_counts()
     taken = np.zeros(free.size, dtype=bool)
     cursor = [0] * NUM_CLASSES
     done = [False] * NUM_CLASSES
     src: list[int] = []
     dst: list[int] = []
-    klass = table.cls
+    klass = table.alloc_class
     for c in cand[::-1].tolist():
         k = int(klass[c])
         if done[k]:
@@ -170,7 +170,7 @@ def _pack_into_earlier(table: PageTable, cand: np.ndarray, free: np.ndarray) -> 
         i = cursor[k]
         while i < free.size and int(free[i]) < c:
             if not taken[i]:
-                row = page_cls[int(free[i]) // P]
+                row = class_counts[int(free[i]) // P]
                 if row.sum() == row[k]:
                     break
             i += 1
@@ -180,7 +180,7 @@ def _pack_into_earlier(table: PageTable, cand: np.ndarray, free: np.ndarray) -> 
             continue
         taken[i] = True
         f = int(free[i])
-        page_cls[f // P, k] += 1  # sources are not subtracted: eligibility only narrows
+        class_counts[f // P, k] += 1  # sources are not subtracted: eligibility only narrows
         src.append(c)
         dst.append(f)
         cursor[k] = i + 1

@@ -11,7 +11,7 @@ Per slot the table records
   the logical (causal) order of the entries: the attention mask shows key slot ``j`` to a query of serial ``q``
   iff ``0 <= seq[j] <= q``. Migration moves ``seq`` with the entry, so the mask does not care where entries live.
 - ``unit``: the uid of the unit that owns the entry (-1 = free).
-- ``cls``: its :class:`AllocClass`, the placement group of paper figure 9 (-1 = free).
+- ``alloc_class``: its :class:`AllocClass`, the placement group of paper figure 9 (-1 = free; saved as ``cls``).
 
 Two placements: ``"first_fit"`` is what a plain KV cache does (llama.cpp's ``find_slot`` takes the lowest free
 cells after ``seq_rm`` resets its head): new tokens fill any hole, so new content mixes with old retained spans.
@@ -94,11 +94,11 @@ def _value_counts(a: np.ndarray) -> tuple[list[int], list[int]]:
     return b[starts].tolist(), counts.tolist()
 
 
-def _count(page_cls: np.ndarray, slots: np.ndarray, klass: np.ndarray | int, page_size: int, sign: int) -> None:
-    """page_cls[slot // page_size, class] += sign for every slot (a bincount: np.add.at is slow)."""
+def _count(class_counts: np.ndarray, slots: np.ndarray, klass: np.ndarray | int, page_size: int, sign: int) -> None:
+    """class_counts[slot // page_size, class] += sign for every slot (a bincount: np.add.at is slow)."""
     idx = (slots // page_size) * NUM_CLASSES + klass
-    page_cls += sign * np.bincount(np.asarray(idx, dtype=np.int64).reshape(-1),
-                                   minlength=page_cls.size).reshape(page_cls.shape).astype(page_cls.dtype)
+    counts = np.bincount(np.asarray(idx, dtype=np.int64).reshape(-1), minlength=class_counts.size)
+    class_counts += sign * counts.reshape(class_counts.shape).astype(class_counts.dtype)
 
 
 class PageTable:
@@ -123,8 +123,8 @@ class PageTable:
         self.placement = placement
         self._seq = np.full(0, FREE, dtype=np.int64)
         self._unit = np.full(0, FREE, dtype=np.int64)
-        self._cls = np.full(0, FREE, dtype=np.int8)
-        self._page_cls = np.zeros((0, NUM_CLASSES), dtype=np.int32)  # entries of each class per page
+        self._alloc_class = np.full(0, FREE, dtype=np.int8)
+        self._class_counts = np.zeros((0, NUM_CLASSES), dtype=np.int32)  # entries of each class per page
         self._next_seq = 0
         self._partial: set[int] = set()  # units that lost tokens to a retention plan and still hold some
         self._unit_count: dict[int, int] = {}  # uid -> retained entries
@@ -147,7 +147,7 @@ class PageTable:
 
     @property
     def retained(self) -> int:
-        return int(self._page_cls.sum())
+        return int(self._class_counts.sum())
 
     def grow(self, pages: int) -> None:
         """Add ``pages`` empty pages at the end (the cache grows its buffers to match)."""
@@ -156,8 +156,8 @@ class PageTable:
         n = pages * self.page_size
         self._seq = np.concatenate([self._seq, np.full(n, FREE, dtype=np.int64)])
         self._unit = np.concatenate([self._unit, np.full(n, FREE, dtype=np.int64)])
-        self._cls = np.concatenate([self._cls, np.full(n, FREE, dtype=np.int8)])
-        self._page_cls = np.concatenate([self._page_cls, np.zeros((pages, NUM_CLASSES), dtype=np.int32)])
+        self._alloc_class = np.concatenate([self._alloc_class, np.full(n, FREE, dtype=np.int8)])
+        self._class_counts = np.concatenate([self._class_counts, np.zeros((pages, NUM_CLASSES), dtype=np.int32)])
 
     def shrink(self, capacity: int) -> None:
         """Drop the empty pages at and after slot ``capacity`` (a page multiple): a cache that grew for one large
@@ -168,8 +168,9 @@ class PageTable:
             return
         if (self._seq[capacity:] >= 0).any():
             raise LayoutError(f"cannot shrink to {capacity} slots: entries live beyond it")
-        self._seq, self._unit, self._cls = self._seq[:capacity], self._unit[:capacity], self._cls[:capacity]
-        self._page_cls = self._page_cls[: capacity // self.page_size]
+        self._seq, self._unit = self._seq[:capacity], self._unit[:capacity]
+        self._alloc_class = self._alloc_class[:capacity]
+        self._class_counts = self._class_counts[: capacity // self.page_size]
 
     # --- read-only views --------------------------------------------------------------------------------
     @property
@@ -185,21 +186,23 @@ class PageTable:
         return v
 
     @property
-    def cls(self) -> np.ndarray:
-        v = self._cls.view()
+    def alloc_class(self) -> np.ndarray:
+        v = self._alloc_class.view()
         v.flags.writeable = False
         return v
+
+    cls = alloc_class  # the old name (the saved state's key is still "cls")
 
     def occupancy(self) -> np.ndarray:
         return self._seq >= 0
 
     def page_class_counts(self) -> np.ndarray:
         """A copy of the ``[num_pages, NUM_CLASSES]`` counters: entries of each class per page."""
-        return self._page_cls.copy()
+        return self._class_counts.copy()
 
     def active_pages(self) -> np.ndarray:
         """Indices of pages holding any retained entry, ascending (the tiles attention reads)."""
-        return np.flatnonzero(self._page_cls.sum(axis=1) > 0)
+        return np.flatnonzero(self._class_counts.sum(axis=1) > 0)
 
     def active_subblocks(self) -> np.ndarray:
         """Indices of subblocks (``slot // subblock_size``) holding any retained entry, ascending."""
@@ -224,24 +227,24 @@ class PageTable:
         return frozenset(self._partial)
 
     # --- allocation ---------------------------------------------------------------------------------------
-    def _eligible_free(self, cls: AllocClass) -> np.ndarray:
+    def _eligible_free(self, alloc_class: AllocClass) -> np.ndarray:
         free = self._seq < 0
         if self.placement == "first_fit":
             return np.flatnonzero(free)
-        counts = self._page_cls
-        others = counts.sum(axis=1) - counts[:, int(cls)]
+        counts = self._class_counts
+        others = counts.sum(axis=1) - counts[:, int(alloc_class)]
         page_ok = others == 0  # empty, or holds only entries of this class
         return np.flatnonzero(free & np.repeat(page_ok, self.page_size))
 
-    def free_slots_for(self, cls: AllocClass | int, limit: int | None = None) -> int:
-        """How many new entries of class ``cls`` fit below slot ``limit`` (default: the current capacity) without
-        moving anything: eligible free slots plus the pages the table would grow into (``limit`` a page
+    def free_slots_for(self, alloc_class: AllocClass | int, limit: int | None = None) -> int:
+        """How many new entries of class ``alloc_class`` fit below slot ``limit`` (default: the current capacity)
+        without moving anything: eligible free slots plus the pages the table would grow into (``limit`` a page
         multiple)."""
         limit = self.capacity if limit is None else int(limit)
-        eligible = self._eligible_free(AllocClass(cls))
+        eligible = self._eligible_free(AllocClass(alloc_class))
         return int((eligible < limit).sum()) + max(0, limit - self.capacity)
 
-    def allocate(self, n: int, uid: int, cls: AllocClass | int = AllocClass.RECENT_CONTEXT) -> np.ndarray:
+    def allocate(self, n: int, uid: int, alloc_class: AllocClass | int = AllocClass.RECENT_CONTEXT) -> np.ndarray:
         """Give ``n`` new tokens of unit ``uid`` a slot each; returns the slots in token order.
 
         The tokens get serials ``next_seq .. next_seq + n - 1`` in that order. Placement takes the lowest
@@ -251,10 +254,10 @@ class PageTable:
             raise LayoutError(f"cannot allocate {n!r} slots")
         if not isinstance(uid, (int, np.integer)) or uid < 0:
             raise LayoutError(f"owner uid must be a non-negative int, got {uid!r}")
-        cls = AllocClass(cls)
+        alloc_class = AllocClass(alloc_class)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        slots = self._eligible_free(cls)
+        slots = self._eligible_free(alloc_class)
         if slots.size < n:
             # new pages are empty, hence eligible for every class: grow just enough
             missing = n - slots.size
@@ -264,8 +267,8 @@ class PageTable:
         slots = slots[:n].astype(np.int64)
         self._seq[slots] = np.arange(self._next_seq, self._next_seq + n, dtype=np.int64)
         self._unit[slots] = uid
-        self._cls[slots] = int(cls)
-        _count(self._page_cls, slots, int(cls), self.page_size, +1)
+        self._alloc_class[slots] = int(alloc_class)
+        _count(self._class_counts, slots, int(alloc_class), self.page_size, +1)
         self._unit_count[int(uid)] = self._unit_count.get(int(uid), 0) + n
         self._next_seq += n
         return slots
@@ -289,7 +292,7 @@ class PageTable:
                                      "free")
         if slots.size == 0:
             return
-        _count(self._page_cls, slots, self._cls[slots].astype(np.int64), self.page_size, -1)
+        _count(self._class_counts, slots, self._alloc_class[slots].astype(np.int64), self.page_size, -1)
         for u, c in zip(*_value_counts(self._unit[slots])):
             left = self._unit_count[u] - c
             if left:
@@ -299,15 +302,15 @@ class PageTable:
                 self._partial.discard(u)
         self._seq[slots] = FREE
         self._unit[slots] = FREE
-        self._cls[slots] = FREE
+        self._alloc_class[slots] = FREE
 
-    def set_class(self, slots: np.ndarray, cls: AllocClass | int) -> None:
+    def set_class(self, slots: np.ndarray, alloc_class: AllocClass | int) -> None:
         """Re-tag occupied slots (placement metadata only; the cache's tensors do not change)."""
         slots = self._check_occupied(slots, "set_class")
-        cls = AllocClass(cls)
-        _count(self._page_cls, slots, self._cls[slots].astype(np.int64), self.page_size, -1)
-        self._cls[slots] = int(cls)
-        _count(self._page_cls, slots, int(cls), self.page_size, +1)
+        alloc_class = AllocClass(alloc_class)
+        _count(self._class_counts, slots, self._alloc_class[slots].astype(np.int64), self.page_size, -1)
+        self._alloc_class[slots] = int(alloc_class)
+        _count(self._class_counts, slots, int(alloc_class), self.page_size, +1)
 
     def apply_retention(self, plan: Any) -> np.ndarray:
         """Free the slots of the tokens a retention plan deletes; returns them (the cache drops those rows).
@@ -348,13 +351,13 @@ class PageTable:
         check_move_order(plan.src, plan.dst, self.occupancy())
         src, dst = plan.src, plan.dst
         if src.size:
-            seq, unit, cls = self._seq[src].copy(), self._unit[src].copy(), self._cls[src].copy()
-            _count(self._page_cls, src, cls.astype(np.int64), self.page_size, -1)
+            seq, unit, klass = self._seq[src].copy(), self._unit[src].copy(), self._alloc_class[src].copy()
+            _count(self._class_counts, src, klass.astype(np.int64), self.page_size, -1)
             self._seq[src] = FREE
             self._unit[src] = FREE
-            self._cls[src] = FREE
-            self._seq[dst], self._unit[dst], self._cls[dst] = seq, unit, cls
-            _count(self._page_cls, dst, cls.astype(np.int64), self.page_size, +1)
+            self._alloc_class[src] = FREE
+            self._seq[dst], self._unit[dst], self._alloc_class[dst] = seq, unit, klass
+            _count(self._class_counts, dst, klass.astype(np.int64), self.page_size, +1)
         for p in plan.promote:
             sl = np.arange(p * self.page_size, (p + 1) * self.page_size)
             self.set_class(sl[self._seq[sl] >= 0], AllocClass.SELECTED_HISTORY)
@@ -363,17 +366,17 @@ class PageTable:
     def validate(self) -> None:
         """Raise :class:`LayoutError` if an invariant is broken (slot accounting, counters, serials)."""
         occ = self._seq >= 0
-        if not np.array_equal(occ, self._unit >= 0) or not np.array_equal(occ, self._cls >= 0):
+        if not np.array_equal(occ, self._unit >= 0) or not np.array_equal(occ, self._alloc_class >= 0):
             raise LayoutError("a slot is half free: seq, unit and class disagree")
         seqs = self._seq[occ]
         if _has_repeats(seqs):
             raise LayoutError("two slots share a serial")
         if seqs.size and seqs.max() >= self._next_seq:
             raise LayoutError("a serial is not below next_seq")
-        counts = np.zeros_like(self._page_cls)
+        counts = np.zeros_like(self._class_counts)
         slots = np.flatnonzero(occ)
-        _count(counts, slots, self._cls[slots].astype(np.int64), self.page_size, +1)
-        if not np.array_equal(counts, self._page_cls):
+        _count(counts, slots, self._alloc_class[slots].astype(np.int64), self.page_size, +1)
+        if not np.array_equal(counts, self._class_counts):
             raise LayoutError("per-page class counters do not match the slots")
         if self._unit_count != dict(zip(*_value_counts(self._unit[occ]))):
             raise LayoutError("per-unit entry counters do not match the slots")
@@ -400,7 +403,7 @@ class PageTable:
             "slots": occ.tolist(),
             "seq": self._seq[occ].tolist(),
             "unit": self._unit[occ].tolist(),
-            "cls": self._cls[occ].astype(int).tolist(),
+            "cls": self._alloc_class[occ].astype(int).tolist(),
             "partial": sorted(self._partial),
         }
 
@@ -422,8 +425,8 @@ class PageTable:
             raise LayoutError("bad page-table state: slots out of range or repeated")
         if slots.size and (seq.min() < 0 or unit.min() < 0 or klass.min() < 0 or klass.max() >= NUM_CLASSES):
             raise LayoutError("bad page-table state: negative serial / owner or unknown class")
-        t._seq[slots], t._unit[slots], t._cls[slots] = seq, unit, klass
-        _count(t._page_cls, slots, klass, t.page_size, +1)
+        t._seq[slots], t._unit[slots], t._alloc_class[slots] = seq, unit, klass
+        _count(t._class_counts, slots, klass, t.page_size, +1)
         t._unit_count = dict(zip(*_value_counts(unit)))
         t._next_seq = next_seq
         t._partial = partial
@@ -432,8 +435,8 @@ class PageTable:
 
     def copy(self) -> "PageTable":
         t = PageTable(self.page_size, self.subblock_size, placement=self.placement)
-        t._seq, t._unit, t._cls = self._seq.copy(), self._unit.copy(), self._cls.copy()
-        t._page_cls = self._page_cls.copy()
+        t._seq, t._unit, t._alloc_class = self._seq.copy(), self._unit.copy(), self._alloc_class.copy()
+        t._class_counts = self._class_counts.copy()
         t._next_seq, t._partial = self._next_seq, set(self._partial)
         t._unit_count = dict(self._unit_count)
         return t

@@ -47,7 +47,7 @@ class LayoutTrace:
     table: PageTable
     planner: MigrationPlanner
     kv_bytes_per_token: int
-    moved_cells_total: int = 0
+    moved_entries_total: int = 0  # JSON: "moved_cells_total"
     migrations: int = 0
     peak_span: int = 0
     peak: dict = field(default_factory=dict)
@@ -77,7 +77,7 @@ class LayoutTrace:
             "holes": s.holes,
             "capacity": s.capacity,
             "moved_cells": moved,
-            "moved_cells_total": self.moved_cells_total,
+            "moved_cells_total": self.moved_entries_total,
             "prefill_span": prefill.physical_span,
             "prefill_active_pages": prefill.active_pages,
             "peak_span": self.peak_span,
@@ -108,8 +108,8 @@ class LayoutTrace:
                   "p95": {k: float(np.percentile(v, 95)) for k, v in self.steady.items()}}
         return {"placement": self.table.placement, "migration": self.planner.mode,
                 "final": dict(self.final), "peak": peak, "mean": mean, "after_first_trim": steady,
-                "moved_cells_total": self.moved_cells_total,
-                "moved_bytes_total": self.moved_cells_total * b, "migrations": self.migrations,
+                "moved_cells_total": self.moved_entries_total,
+                "moved_bytes_total": self.moved_entries_total * b, "migrations": self.migrations,
                 "series": self.series}
 
 
@@ -175,7 +175,7 @@ class Simulator:
                 if mp.accepted:
                     lt.table.apply_migration(mp)
                     moved[name] = mp.moved
-                    lt.moved_cells_total += mp.moved
+                    lt.moved_entries_total += mp.moved
                     lt.migrations += 1
         base = {"update": self.updates, "t": event.t, "kind": event.kind, "uid": unit.uid,
                 "full_context_tokens": self.full_context_tokens, "trimmed": plan is not None}

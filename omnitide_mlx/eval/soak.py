@@ -151,7 +151,7 @@ def sim_soak(seconds: int = 86_400, *, profile: str = "minicpm-o-4.5", policy: s
         "run": "sim", "profile": prof.name, "policy": sim.policy.config(), "layout": layout,
         "migration": lt.planner.mode, "seconds": seconds, "question_every": question_every, "seed": seed,
         "updates": sim.updates, "trims": sim.trims, "migrations": lt.migrations,
-        "moved_cells_total": lt.moved_cells_total, "invariant_checks": checks, "largest_unit": largest_unit,
+        "moved_cells_total": lt.moved_entries_total, "invariant_checks": checks, "largest_unit": largest_unit,
         "full_context_tokens": sim.full_context_tokens, "window_s": window,
         "peak": {k: max(w[k] for w in windows) for k in ("max_physical_span", "max_capacity", "max_retained",
                                                           "max_units", "max_next_position")},

@@ -159,8 +159,8 @@ def _big_cache(capacity=16384, layers=2, heads=4, dim=128, dtype=mx.float16):
     """A cache filled through its saved-state path (no attention needed): entries in [0, 12000) and a tail of 96
     entries at the end, so an ordered-suffix plan moves only the tail."""
     table = PageTable(placement="first_fit", capacity=capacity)
-    table.allocate(12000, uid=0, cls=AllocClass.RECENT_CONTEXT)
-    table.allocate(capacity - 12000, uid=1, cls=AllocClass.RECENT_CONTEXT)
+    table.allocate(12000, uid=0, alloc_class=AllocClass.RECENT_CONTEXT)
+    table.allocate(capacity - 12000, uid=1, alloc_class=AllocClass.RECENT_CONTEXT)
     table.free(np.arange(12000, capacity - 96))
     c = OmniCache(layers, heads, dim, RopeSpec(dim, 1e4), dtype, placement="first_fit")
     state = {}

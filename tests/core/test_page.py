@@ -110,7 +110,7 @@ def test_random_workload_keeps_accounting_and_migration_contract(ops, placement,
             slots = t.allocate(n, uid, cls)
             assert slots.size == n and np.unique(slots).size == n
             assert np.array_equal(t.seq[slots], np.arange(before_next, before_next + n))
-            assert (t.unit[slots] == uid).all() and (t.cls[slots] == int(cls)).all()
+            assert (t.unit[slots] == uid).all() and (t.alloc_class[slots] == int(cls)).all()
             uid += 1
         elif op[0] == "trim":
             _trim(t, op[1], op[2])
@@ -149,17 +149,17 @@ def test_random_workload_keeps_accounting_and_migration_contract(ops, placement,
                 assert t.seq[t.slots_of_unit(u)].tolist() == seq_by_unit[u]
             for p in plan.promote:
                 sl = slice(p * page, (p + 1) * page)
-                assert (t.cls[sl] == AllocClass.SELECTED_HISTORY).all()
+                assert (t.alloc_class[sl] == AllocClass.SELECTED_HISTORY).all()
         _check_accounting(t)
         if placement == "class_aware" and all(o[0] != "migrate" or o[1] in ("class_aware", "native")
                                               for o in ops):
             # OmniPage placement never mixes classes in a page
-            counts = t._page_cls
+            counts = t.page_class_counts()
             assert ((counts > 0).sum(axis=1) <= 1).all()
     state = t.state()
     r = PageTable.from_state(state)
     assert r.state() == state
-    assert np.array_equal(r.seq, t.seq) and np.array_equal(r.unit, t.unit) and np.array_equal(r.cls, t.cls)
+    assert np.array_equal(r.seq, t.seq) and np.array_equal(r.unit, t.unit) and np.array_equal(r.alloc_class, t.alloc_class)
 
 
 def test_first_fit_reuses_the_lowest_holes_and_class_aware_keeps_classes_apart():
@@ -203,8 +203,8 @@ def test_class_aware_packs_sinks_into_earlier_pages_and_promotes_full_pages():
     assert sorted(mp.dst.tolist()) == [4, 5, 6, 7, 12, 13, 14, 15]
     assert mp.promote == (0, 1)
     t.apply_migration(mp)
-    assert (t.cls[:16] == AllocClass.SELECTED_HISTORY).all()
-    assert (t.cls[32:40] == AllocClass.RECENT_CONTEXT).all()
+    assert (t.alloc_class[:16] == AllocClass.SELECTED_HISTORY).all()
+    assert (t.alloc_class[32:40] == AllocClass.RECENT_CONTEXT).all()
     assert keep  # sinks stay in logical order
     assert (np.diff(t.seq[t.slots_of_unit(1)]) > 0).all()
 

@@ -98,7 +98,7 @@ def test_simulator_keeps_tables_and_history_in_step(profile, policy):
         if recs["eager"]["trimmed"]:
             assert recs["eager"]["holes"] < eager.page_size  # packed after every eviction
         paged = sim.layouts["omnipage"].table
-        assert (paged.cls[paged.slots_of_unit(0)] == AllocClass.MUST_KEEP).all()
+        assert (paged.alloc_class[paged.slots_of_unit(0)] == AllocClass.MUST_KEEP).all()
     if policy == "full":
         assert sim.trims == 0
 
