@@ -26,10 +26,17 @@ DESCRIPTION = __doc__ + """
 example:
   omnitide bench speech --thinker-width 2048 --talker-layers 4 --codes 50 --json docs/img/speech.json \\
       --plot docs/img/speech.png
+  omnitide bench speech --model-family minicpmo --tts-layers 2 --torch-python /work/refenv/bin/python \\
+      --json docs/img/speech-minicpmo.json   # MiniCPM-o 4.5 (bench/speech_minicpmo.py)
 """
 
 
 def add_arguments(p) -> None:
+    from .speech_minicpmo import add_arguments as minicpmo_arguments
+
+    p.add_argument("--model-family", choices=("qwen2.5-omni", "minicpmo"), default="qwen2.5-omni",
+                   help="qwen2.5-omni: talker + token2wav (default); minicpmo: MiniCPM-o 4.5's TTS + StepAudio2 "
+                        "token2wav against the official PyTorch code (bench/speech_minicpmo.py)")
     p.add_argument("--thinker-width", type=int, default=2048, help="thinker hidden size (2048: 3B, 3584: 7B)")
     p.add_argument("--talker-layers", type=int, default=4, help="talker layers (24 released)")
     p.add_argument("--prompt", type=int, default=64, help="talker prompt tokens")
@@ -40,6 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    minicpmo_arguments(p)
 
 
 def released_speech_config(thinker_width: int, talker_layers: int) -> dict:
@@ -207,6 +215,10 @@ def _result(prefill, full, dit_s, voc_s, ttfa, args, first) -> dict:
 
 
 def run(args) -> int:
+    if getattr(args, "model_family", "qwen2.5-omni") == "minicpmo":
+        from .speech_minicpmo import run as run_minicpmo
+
+        return run_minicpmo(args)
     from ..models.qwen2_5_omni.token2wav import DiTConfig
     from .common import load_average, versions
     from .report import write_outputs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..core.pick import POLICIES, POSITION_MODES, RetentionError, RetentionPolicy, make_policy, parse_leftover
+from ..core.pick import POLICIES, POSITION_MODES, RECENT_COUNTS, RetentionError, RetentionPolicy, make_policy, parse_leftover
 
 # the rows of the paper's table 2, in its order, with its names
 PAPER_POLICIES = ("full", "fifo", "token", "streamingllm", "h2o", "omnipick")
@@ -66,7 +66,8 @@ class PolicySetting:
 
 def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, int | str], ...]]:
     """``omnipick:text_budget=64,recent_units=3`` -> ("omnipick", (("recent_units", 3), ("text_budget", 64))).
-    Values are integers, except ``positions`` (``shift`` or ``keep``) and ``leftover`` (``audio+text``, ...)."""
+    Values are integers, except ``positions`` (``shift`` or ``keep``), ``recent_count`` (``media`` or ``all``) and
+    ``leftover`` (``audio+text``, ...)."""
     name, _, rest = text.strip().partition(":")
     name = name.strip().lower()
     if name not in POLICIES:
@@ -78,6 +79,13 @@ def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, int | str], ...]
             if m.group(1) not in POSITION_MODES:
                 raise ValueError(f"policy option {part!r} in {text!r}: positions is one of {', '.join(POSITION_MODES)}")
             overrides["positions"] = m.group(1)
+            continue
+        m = re.fullmatch(r"recent_count=([a-z]+)", part)
+        if m:
+            if m.group(1) not in RECENT_COUNTS:
+                raise ValueError(f"policy option {part!r} in {text!r}: recent_count is one of "
+                                 f"{', '.join(RECENT_COUNTS)}")
+            overrides["recent_count"] = m.group(1)
             continue
         m = re.fullmatch(r"leftover=([a-z+]+)", part)
         if m:

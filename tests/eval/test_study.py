@@ -48,6 +48,14 @@ def test_policy_and_watermark_specs():
         expand_settings(["omnipick:recent_units=0"], None)
 
 
+def test_recent_count_spec_reaches_the_policy():
+    assert parse_policy_spec("omnipick:recent_count=all") == ("omnipick", (("recent_count", "all"),))
+    (s,) = expand_settings(["omnipick:recent_count=all"], ["512/368"])
+    assert s.key == "omnipick+recent_count=all@512-368" and s.build().recent_count == "all"
+    with pytest.raises(ValueError, match="recent_count is one of media, all"):
+        parse_policy_spec("omnipick:recent_count=text")
+
+
 def _row(ep, unit, fact_unit, correct, retained, age):
     return {"episode": ep, "setting": "", "after_unit": unit, "fact_unit": fact_unit, "delay": unit - fact_unit - 1,
             "age_tokens": age, "answer": "a", "predicted": "a" if correct else "b", "correct": correct,
