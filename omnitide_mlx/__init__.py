@@ -8,6 +8,8 @@
 __version__ = "0.1.0"
 
 # Lazy attributes: `omnitide --help` and the pure-Python core do not import MLX.
+from .lazy import lazy_getattr
+
 _LAZY = {
     "load": ("omnitide_mlx.models", "load"),
     "OmniSession": ("omnitide_mlx.session", "OmniSession"),
@@ -33,12 +35,4 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'omnitide_mlx' has no attribute {name!r}")
+__getattr__ = lazy_getattr("omnitide_mlx", _LAZY, globals())

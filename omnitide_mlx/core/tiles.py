@@ -63,6 +63,43 @@ class StepTiles:
         return self.visible_key.reshape(-1, self.tile)[self.tiles].min(axis=1)
 
 
+class OnStepTiles:
+    """Read-through of a :class:`StepTiles` held as ``self.step``: what both paths' step plans (MLX ``TilePlan``,
+    torch ``StepPlan``) expose of the framework-neutral plan, written once."""
+
+    step: StepTiles
+
+    @property
+    def tile(self) -> int:
+        return self.step.tile
+
+    @property
+    def capacity(self) -> int:
+        return self.step.capacity
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """Sorted active tile ids (int64)."""
+        return self.step.tiles
+
+    @property
+    def tile_min(self) -> np.ndarray:
+        """Per active tile: the smallest serial it holds (``NO_SEQ`` when it holds none)."""
+        return self.step.tile_min
+
+    @property
+    def n_tiles(self) -> int:
+        return self.step.n_tiles
+
+    @property
+    def active_slots(self) -> int:
+        return self.step.active_slots
+
+    @property
+    def span(self) -> int:
+        return self.step.span
+
+
 def plan_step_tiles(key_seq, q_seq, tile: int, tiles=None) -> StepTiles:
     """Validate one step's page-table side and plan its tiles. ``key_seq`` (1-D) must cover whole tiles of
     ``tile`` slots; ``q_seq`` (1-D) serials must be >= 0. ``tiles``: the active tile ids (any order; unique, in

@@ -29,7 +29,7 @@ from importlib import resources
 import mlx.core as mx
 import numpy as np
 
-from ..core.tiles import NO_SEQ, AttentionError, StepTiles, plan_step_tiles
+from ..core.tiles import NO_SEQ, AttentionError, OnStepTiles, StepTiles, plan_step_tiles
 
 PREFILL_TILE = 64  # OmniPage page = llama.cpp Metal flash-attention KV tile
 DECODE_TILE = 32  # OmniPage subblock = llama.cpp Metal vector-kernel KV block
@@ -43,10 +43,10 @@ METAL_EMPTY = -1.0e30  # the kernel's log-sum-exp of an empty partial (finite: M
 
 
 @dataclass(frozen=True)
-class TilePlan:
+class TilePlan(OnStepTiles):
     """One step's tile plan for the MLX kernels, built once per step and shared by every layer: the
-    framework-neutral :class:`~omnitide_mlx.core.tiles.StepTiles` (``step``) plus the MLX arrays the kernels read.
-    The numpy facts are read through ``step`` (``tile``, ``tiles``, ``tile_min``, ... below are its fields)."""
+    framework-neutral :class:`~omnitide_mlx.core.tiles.StepTiles` (``step``; ``tile``, ``tiles``, ``tile_min``,
+    ``n_tiles``, ``active_slots`` read through to it) plus the MLX arrays the kernels read."""
 
     step: StepTiles
     slot_seq: mx.array  # [capacity] int32, as given (the Metal kernel reads it)
@@ -54,24 +54,6 @@ class TilePlan:
     q_seq: mx.array  # [T] int32
     tiles_mx: mx.array  # [n_tiles] int32
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # per query block schedules
-
-    @property
-    def tile(self) -> int:
-        return self.step.tile
-
-    @property
-    def capacity(self) -> int:
-        return self.step.capacity
-
-    @property
-    def tiles(self) -> np.ndarray:
-        """Sorted active tile ids (int64)."""
-        return self.step.tiles
-
-    @property
-    def tile_min(self) -> np.ndarray:
-        """Per active tile: the smallest serial it holds (_NO_SEQ when it holds none)."""
-        return self.step.tile_min
 
     @property
     def q_seq_np(self) -> np.ndarray:
@@ -82,14 +64,6 @@ class TilePlan:
     def key_np(self) -> np.ndarray:
         """[capacity] int64, free slots -> _NO_SEQ."""
         return self.step.visible_key
-
-    @property
-    def n_tiles(self) -> int:
-        return self.step.n_tiles
-
-    @property
-    def active_slots(self) -> int:
-        return self.step.active_slots
 
 
 def plan_tiles(slot_seq, q_seq, tiles, tile: int = PREFILL_TILE) -> TilePlan:

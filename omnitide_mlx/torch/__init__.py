@@ -11,6 +11,8 @@
 Needs the ``torch`` extra (``pip install 'omnitide-mlx[torch]'``: torch and transformers).
 """
 
+from ..lazy import lazy_getattr
+
 _LAZY = {
     "OmniTorchCache": ("omnitide_mlx.torch.cache", "OmniTorchCache"),
     "TorchSession": ("omnitide_mlx.torch.session", "TorchSession"),
@@ -20,12 +22,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'omnitide_mlx.torch' has no attribute {name!r}")
+__getattr__ = lazy_getattr("omnitide_mlx.torch", _LAZY, globals())

@@ -34,16 +34,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..core.tiles import AttentionError, StepTiles, plan_step_tiles
+from ..core.tiles import AttentionError, OnStepTiles, StepTiles, plan_step_tiles
 
 KERNELS = ("flex", "sdpa", "reference")
 FLEX_Q_BLOCK = 128  # query rows per FlexAttention block (its default sparse block size)
 
 
 @dataclass
-class StepPlan:
+class StepPlan(OnStepTiles):
     """What every layer of one forward step shares: the framework-neutral
-    :class:`~omnitide_mlx.core.tiles.StepTiles` (``step``, its tiles are the active pages) plus the tensors."""
+    :class:`~omnitide_mlx.core.tiles.StepTiles` (``step``, read through: ``tiles`` are the active pages, ``tile``
+    the page size) plus the tensors."""
 
     step: StepTiles
     key_seq: torch.Tensor  # [capacity] int64 on the device: serial per slot, -1 free (new slots included)
@@ -51,26 +52,8 @@ class StepPlan:
     _cache: dict = field(repr=False, default_factory=dict)  # per-kernel masks, built once per step
 
     @property
-    def pages(self) -> np.ndarray:
-        """Ascending indices of active pages (any retained entry, the new ones included)."""
-        return self.step.tiles
-
-    @property
-    def page_size(self) -> int:
-        return self.step.tile
-
-    @property
-    def span(self) -> int:
-        """Page-rounded end of the last active page."""
-        return self.step.span
-
-    @property
     def tokens(self) -> int:
         return int(self.step.q_seq.size)
-
-    @property
-    def active_slots(self) -> int:
-        return self.step.active_slots
 
 
 def plan_step(key_seq: np.ndarray, q_seq: np.ndarray, page_size: int, device) -> StepPlan:
@@ -110,7 +93,7 @@ def block_lists(plan: StepPlan, q_block: int = FLEX_Q_BLOCK) -> tuple[list[np.nd
     block's largest query serial); it is full when all its slots are occupied and all are visible to every query
     of the block (its largest serial is at most the block's smallest query serial).
     """
-    P = plan.page_size
+    P = plan.tile
     ks = plan.step.key_seq.reshape(-1, P)
     occ = ks >= 0
     big = np.iinfo(np.int64).max
@@ -146,7 +129,7 @@ def block_mask(plan: StepPlan, q_block: int = FLEX_Q_BLOCK):
 
     device = plan.key_seq.device
     partial, full = block_lists(plan, q_block)
-    n_pages = plan.key_seq.shape[0] // plan.page_size
+    n_pages = plan.key_seq.shape[0] // plan.tile
     kv_num, kv_idx = _lists_tensor(partial, n_pages, device)
     full_num, full_idx = _lists_tensor(full, n_pages, device)
     n_blocks = len(partial)
@@ -159,7 +142,7 @@ def block_mask(plan: StepPlan, q_block: int = FLEX_Q_BLOCK):
         s = key_seq[kv_idx]
         return (s >= 0) & (s <= q_pad[q_idx])
 
-    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, plan.page_size),
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, plan.tile),
                                   mask_mod=mask_mod, seq_lengths=(plan.tokens, key_seq.shape[0]))
     plan._cache["block_mask"] = bm
     return bm
@@ -170,7 +153,7 @@ def block_mask_visibility(plan: StepPlan, q_block: int = FLEX_Q_BLOCK) -> torch.
     pages through the visibility rule, everything else masked. Equal to :func:`visibility` iff no visible entry
     sits in an unlisted page and every full page is wholly visible: the test of the block lists (eager flex ignores
     them)."""
-    P = plan.page_size
+    P = plan.tile
     vis = visibility(plan)
     out = torch.zeros_like(vis)
     partial, full = block_lists(plan, q_block)
@@ -227,8 +210,8 @@ def sdpa_span_attend(q, k, v, plan: StepPlan, scale: float) -> torch.Tensor:
 def active_slot_index(plan: StepPlan) -> torch.Tensor:
     """Slots of the active pages, ascending (int64 on the device)."""
     if "active_index" not in plan._cache:
-        P = plan.page_size
-        idx = (plan.pages[:, None] * P + np.arange(P)[None, :]).reshape(-1)
+        P = plan.tile
+        idx = (plan.tiles[:, None] * P + np.arange(P)[None, :]).reshape(-1)
         plan._cache["active_index"] = torch.as_tensor(idx, device=plan.key_seq.device)
     return plan._cache["active_index"]
 

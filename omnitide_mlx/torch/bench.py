@@ -177,7 +177,7 @@ def bench_checkpoint(cp: Checkpoint, *, q_heads: int, kv_heads: int, head_dim: i
                           f"{str(e)[:300]}"})
                     continue
                 emit({**base, "phase": phase, "layout": name, "kernel": kernel, "chunk_tokens": t,
-                      "active_slots": plan.active_slots, "active_pages": int(plan.pages.size), "span": plan.span,
+                      "active_slots": plan.active_slots, "active_pages": int(plan.tiles.size), "span": plan.span,
                       "physical_span": stats.physical_span, **tm,
                       "speedup_vs_full": round(full["median_ms"] / tm["median_ms"], 3)})
             del kk, vv

@@ -97,7 +97,7 @@ def test_a_skipped_tile_is_not_read():
     v[:, :, empty] = float("nan")
     for kernel in ("reference", "flex") if torch.cuda.is_available() else ("reference",):
         assert torch.isfinite(attend(kernel, q, k, v, plan, 0.25)).all(), kernel
-    assert list(plan.pages) == [0, 3] and plan.span == 4 * P
+    assert list(plan.tiles) == [0, 3] and plan.span == 4 * P
 
 
 def test_contract_errors():

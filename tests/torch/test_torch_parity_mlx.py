@@ -101,7 +101,7 @@ def test_both_attention_paths_plan_a_step_with_the_shared_core_plan():
     q = np.arange(148, 150)
     occupied = tiles.plan_step_tiles(key, q, 64).tiles
     m, t = plan_tiles(key, q, occupied, 64), plan_step(key, q, 64, "cpu")
-    assert m.tiles.tolist() == t.pages.tolist() == occupied.tolist()
-    assert m.q_seq_np.tolist() == t._q_seq_np.tolist() == q.tolist()
+    assert m.tiles.tolist() == t.tiles.tolist() == occupied.tolist()
+    assert m.q_seq_np.tolist() == t.step.q_seq.tolist() == q.tolist()
     assert m.active_slots == t.active_slots
     assert m.tile_min.tolist() == [int(key[p * 64:(p + 1) * 64][key[p * 64:(p + 1) * 64] >= 0].min()) for p in occupied]
