@@ -111,14 +111,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--episodes", type=positive_int, default=2, help="recall: episodes (streams) per setting (default 2)")
     s.add_argument("--units", type=positive_int, default=None,
                    help="recall: units per episode (default 24, about 60 tokens each); drift: units streamed "
-                        "(default 240, one verse each)")
+                        "(default 256, one verse each)")
     s.add_argument("--style", choices=("log", "omni"), default="log",
                    help="recall: 'omni' lays each unit out as an omni unit (time tag, a 32-token block standing for "
                         "the frame, a few speech tokens) instead of a text log line")
     s.add_argument("--qa", action="store_true",
                    help="recall: push a user question and the model's reply before each shortest-delay probe")
     s.add_argument("--tokens", type=positive_int, default=20_000, help="perplexity: tokens streamed per setting (20000)")
-    s.add_argument("--checkpoints", default="1,50,100,150,200,230",
+    s.add_argument("--checkpoints", default="1,50,100,150,200",
                    help="drift: compare with the recompute after this many evictions (comma-separated)")
     s.add_argument("--facts", type=positive_int, default=10, help="facts per episode (default 10)")
     s.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")

@@ -28,12 +28,12 @@ from .perplexity import (
 @dataclass
 class DriftConfig:
     model: str
-    units: int = 240  # one verse a unit
+    units: int = 256  # one verse a unit: 211 evictions at 368/368
     per_unit: int = 1
     policy: str = "omnipick"  # keeps old units' tags for a long time, each re-rotated at every eviction
     high: int = 368
     low: int = 368  # high == low: every unit triggers a trim
-    checkpoints: tuple[int, ...] = (1, 50, 100, 150, 200, 230)  # after this many evictions
+    checkpoints: tuple[int, ...] = (1, 50, 100, 150, 200)  # after this many evictions
     window: int = 20
 
     def to_json(self) -> dict:

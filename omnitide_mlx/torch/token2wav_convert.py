@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.errors import OmniTideError
+
 # flow matching, the streaming CausalHiFT vocoder (config.yaml) and the whole-utterance HiFT
 TOKEN2WAV_WEIGHTS = ("flow", "hift", "hift_original")
 
 
-class Token2wavConvertError(ValueError):
+class Token2wavConvertError(OmniTideError, ValueError):
     """A token2wav folder or state dict that cannot be converted: says which and why."""
 
 
