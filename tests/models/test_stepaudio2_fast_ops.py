@@ -83,3 +83,17 @@ def test_other_dtypes_use_mlx():
     x = mx.array([0.5, 1.5], dtype=mx.float16)
     assert cpu_math.sin(x).dtype == mx.float16
     assert cpu_math.gelu_tanh(x).dtype == mx.float16
+
+
+@pytest.mark.parametrize("t,k,s", [(6, 16, 8), (9, 11, 5), (13, 7, 3), (5, 2, 2), (5, 1, 3), (6, 9, 3)])
+def test_polyphase_upsample_matches_repeat_then_conv(t, k, s):
+    from omnitide_mlx.models.stepaudio2.vocoder import CausalConv1dUpsample
+
+    rng = np.random.default_rng(t * k + s)
+    m = CausalConv1dUpsample(6, 5, k, s)
+    x = mx.array(rng.standard_normal((2, t, 6)).astype(np.float32))
+    for _ in range(2):  # a replaced weight (load_weights) must not reuse the previous per-phase taps
+        m.weight = mx.array(rng.standard_normal((5, k, 6)).astype(np.float32))
+        m.bias = mx.array(rng.standard_normal((5,)).astype(np.float32))
+        ref = mx.conv1d(mx.pad(mx.repeat(x, s, axis=1), [(0, 0), (k - 1, 0), (0, 0)]), m.weight) + m.bias
+        _close(m(x), ref)

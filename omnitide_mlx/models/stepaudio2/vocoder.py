@@ -319,6 +319,13 @@ class CausalConv1dDownSample(nn.Module):
         return mx.conv1d(x, self.weight, stride=self.stride) + self.bias
 
 
+class _Memo:
+    """A plain holder for a value derived from a parameter (not an array, list or dict, so never a parameter)."""
+
+    def __init__(self):
+        self.weight = self.value = None
+
+
 class CausalConv1dUpsample(nn.Module):
     """Nearest upsampling by ``stride``, then a left-padded (causal) convolution."""
 
@@ -328,11 +335,38 @@ class CausalConv1dUpsample(nn.Module):
         self.bias = mx.zeros((out_ch,))
         self.kernel_size, self.stride = kernel_size, stride
         self.causal_padding = kernel_size - 1
+        self._memo = _Memo()
+
+    def _phase_weights(self, p: int) -> mx.array:
+        """The weight as ((p + 1) in, stride out) per-phase taps, rebuilt only when ``weight`` is replaced."""
+        memo = self._memo
+        if memo.weight is not self.weight:
+            s, k = self.stride, self.kernel_size
+            c_out, _, c_in = self.weight.shape
+            # tap j of phase r reads the repeated frame q s + r + j - (k - 1): input frame q + (r + j - k + 1) // s
+            select = np.zeros((s, p + 1, k), dtype=np.float32)
+            for r in range(s):
+                for j in range(k):
+                    select[r, p + (r + j - k + 1) // s, j] = 1.0
+            w = mx.array(select.reshape(s * (p + 1), k)) @ self.weight.transpose(1, 0, 2).reshape(k, c_out * c_in)
+            w = w.reshape(s, p + 1, c_out, c_in).transpose(1, 3, 0, 2).reshape((p + 1) * c_in, s * c_out)
+            mx.eval(w)
+            memo.weight, memo.value = self.weight, w
+        return memo.value
 
     def __call__(self, x: mx.array) -> mx.array:
-        x = mx.repeat(x, self.stride, axis=1)
-        x = mx.pad(x, [(0, 0), (self.causal_padding, 0), (0, 0)])
-        return mx.conv1d(x, self.weight) + self.bias
+        """Computed per output phase (polyphase) instead of on the repeated frames: output sample q stride + r sees
+        input frames q - p .. q through the taps summed per frame, one matmul of ``p + 1`` frames against all
+        phases (p = ceil((kernel - 1) / stride): 3 taps instead of 16, 11 and 7 in the release, the same sums up to
+        float32 rounding; the repeated-input convolution took 45 ms for 48 frames 512 -> 256 channels)."""
+        s, c_out = self.stride, self.weight.shape[0]
+        b, t, _ = x.shape
+        p = -(-(self.kernel_size - 1) // s)
+        w = self._phase_weights(p)
+        x = mx.pad(x, [(0, 0), (p, 0), (0, 0)])
+        taps = mx.concatenate([x[:, o:o + t] for o in range(p + 1)], axis=-1) if p else x
+        bias = mx.broadcast_to(self.bias, (s, c_out)).reshape(-1)
+        return (taps @ w + bias).reshape(b, t * s, c_out)
 
 
 class Conv1d(nn.Module):
