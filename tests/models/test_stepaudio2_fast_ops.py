@@ -97,3 +97,29 @@ def test_polyphase_upsample_matches_repeat_then_conv(t, k, s):
         m.bias = mx.array(rng.standard_normal((5,)).astype(np.float32))
         ref = mx.conv1d(mx.pad(mx.repeat(x, s, axis=1), [(0, 0), (k - 1, 0), (0, 0)]), m.weight) + m.bias
         _close(m(x), ref)
+
+
+def test_memoised_timestep_modulations_match_and_follow_new_weights():
+    from omnitide_mlx.models.stepaudio2.flow import flow_from_weights
+    from omnitide_mlx.models.stepaudio2.tiny import random_flow_state, tiny_flow_config
+
+    cfg = tiny_flow_config()
+    flow = flow_from_weights(cfg, {k: mx.array(v) for k, v in random_flow_state(cfg, seed=5).items()})
+    cfm, est = flow.decoder, flow.decoder.estimator
+    rng = np.random.default_rng(6)
+    x, mu, cond = (mx.array(rng.standard_normal((2, 7, 80)).astype(np.float32)) for _ in range(3))
+    spks = mx.array(rng.standard_normal((2, 80)).astype(np.float32))
+    t = mx.array([0.3], dtype=mx.float32)
+
+    def both():
+        plain, _, _ = est(x, mu, mx.concatenate([t, t]), spks, cond)
+        memo, _, _ = est(x, mu, mx.concatenate([t, t]), spks, cond, mods=cfm._modulations(t))
+        return plain, memo
+
+    plain, memo = both()
+    _close(memo, plain, 1e-5)
+    assert len(cfm._mod_memo.values) == 1
+    est.blocks[0].adaLN_modulation[1].weight = est.blocks[0].adaLN_modulation[1].weight * 1.5
+    plain2, memo2 = both()
+    assert float(mx.abs(plain2 - plain).max()) > 1e-3  # the new weight matters...
+    _close(memo2, plain2, 1e-5)  # ...and the memo follows it

@@ -40,6 +40,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..loading import CheckpointError
 from . import cpu_math
@@ -388,8 +389,13 @@ class DiTBlock(nn.Module):
         self.conv = CausalConvBlock(h, 3)
         self.adaLN_modulation = [nn.SiLU(), nn.Linear(h, 9 * h)]
 
-    def __call__(self, x, c, cnn_cache=None, att_cache=None):
-        mod = self.adaLN_modulation[1](nn.silu(c))
+    def modulation(self, c):
+        return self.adaLN_modulation[1](nn.silu(c))
+
+    def __call__(self, x, c, cnn_cache=None, att_cache=None, mod=None):
+        """``mod``: ``modulation(c)`` when the caller has it already (it depends on the timestep only)."""
+        if mod is None:
+            mod = self.modulation(c)
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = mx.split(mod, 9, axis=-1)
         att, new_att = self.attn(_modulate(_layer_norm(x), shift_msa, scale_msa), att_cache)
@@ -406,8 +412,11 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = [nn.SiLU(), nn.Linear(hidden, 2 * hidden)]
         self.linear = nn.Linear(hidden, out_channels)
 
-    def __call__(self, x, c):
-        shift, scale = mx.split(self.adaLN_modulation[1](nn.silu(c)), 2, axis=-1)
+    def modulation(self, c):
+        return self.adaLN_modulation[1](nn.silu(c))
+
+    def __call__(self, x, c, mod=None):
+        shift, scale = mx.split(self.modulation(c) if mod is None else mod, 2, axis=-1)
         return self.linear(_modulate(_layer_norm(x), shift, scale))
 
 
@@ -420,18 +429,26 @@ class DiT(nn.Module):
         self.blocks = [DiTBlock(cfg) for _ in range(cfg.depth)]
         self.final_layer = FinalLayer(cfg.hidden_size, cfg.out_channels)
 
-    def __call__(self, x, mu, t, spks, cond, cnn_cache=None, att_cache=None):
-        """x, mu, cond (B, T, C) channels last, t (B,), spks (B, C). With caches (depth, ...) -> new caches too."""
+    def modulations(self, t: mx.array) -> list[mx.array]:
+        """What depends on the timestep only: every block's adaLN modulation and the final layer's, for t (B,)
+        -> (B, 1, 9 hidden) per block, then (B, 1, 2 hidden)."""
         c = self.t_embedder(t)[:, None]
+        return [block.modulation(c) for block in self.blocks] + [self.final_layer.modulation(c)]
+
+    def __call__(self, x, mu, t, spks, cond, cnn_cache=None, att_cache=None, mods=None):
+        """x, mu, cond (B, T, C) channels last, t (B,), spks (B, C). With caches (depth, ...) -> new caches too.
+        ``mods``: ``modulations(t)`` computed before (for one row, it broadcasts over the batch); then t is unused."""
+        if mods is None:
+            mods = self.modulations(t)
         spks = mx.broadcast_to(spks[:, None], (x.shape[0], x.shape[1], spks.shape[-1]))
         h = self.in_proj(mx.concatenate([x, mu, spks, cond], axis=-1))
         new_cnn, new_att = [], []
         for i, block in enumerate(self.blocks):
-            h, nc, na = block(h, c, None if cnn_cache is None else cnn_cache[i],
-                              None if att_cache is None else att_cache[i])
+            h, nc, na = block(h, None, None if cnn_cache is None else cnn_cache[i],
+                              None if att_cache is None else att_cache[i], mod=mods[i])
             new_cnn.append(nc)
             new_att.append(na)
-        return self.final_layer(h, c), mx.stack(new_cnn), mx.stack(new_att)
+        return self.final_layer(h, None, mod=mods[-1]), mx.stack(new_cnn), mx.stack(new_att)
 
 
 # ------------------------------------------------------------------------------------------------ CFM and flow
@@ -442,6 +459,13 @@ def cosine_t_span(n_timesteps: int) -> mx.array:
     return mx.array(1 - np.cos(t * np.float32(0.5 * np.pi)))
 
 
+class _ModulationMemo:
+    """A plain holder (never a parameter): the weights the memoised modulations came from, and them by timestep."""
+
+    def __init__(self):
+        self.weights, self.values = [], {}
+
+
 class CausalConditionalCFM(nn.Module):
     def __init__(self, cfg: DecoderConfig, noise_seed: int = 0, noise_frames: int = NOISE_FRAMES):
         super().__init__()
@@ -449,6 +473,7 @@ class CausalConditionalCFM(nn.Module):
         self.estimator = DiT(cfg.estimator)
         rng = np.random.default_rng(noise_seed)
         self._noise = mx.array(rng.standard_normal((1, cfg.estimator.out_channels, noise_frames), dtype=np.float32))
+        self._mod_memo = _ModulationMemo()
 
     @property
     def rand_noise(self) -> mx.array:
@@ -468,6 +493,24 @@ class CausalConditionalCFM(nn.Module):
                              "were asked for (the official buffer is 600 s of mel)")
         return self._noise[:, :, offset: offset + n].transpose(0, 2, 1)
 
+    def _modulations(self, t: mx.array) -> list[mx.array]:
+        """The estimator's timestep modulations for the guidance pair's shared t (1,), kept across calls: the Euler
+        timesteps are the same every chunk, and these are 16 x (512 x 4608) weights read per step at the released
+        size. Recomputed when any weight they use was replaced."""
+        est = self.estimator
+        weights = [p for _, p in tree_flatten(est.t_embedder.parameters())]
+        weights += [b.adaLN_modulation[1].weight for b in est.blocks] + [b.adaLN_modulation[1].bias for b in est.blocks]
+        weights += [est.final_layer.adaLN_modulation[1].weight, est.final_layer.adaLN_modulation[1].bias]
+        memo = self._mod_memo
+        if len(memo.weights) != len(weights) or any(a is not b for a, b in zip(memo.weights, weights)):
+            memo.weights, memo.values = weights, {}
+        key = float(t.item())
+        if key not in memo.values:
+            mods = est.modulations(t)
+            mx.eval(mods)
+            memo.values[key] = mods
+        return memo.values[key]
+
     def _guided(self, v):
         cfg_rate = self.cfg.inference_cfg_rate
         return (1.0 + cfg_rate) * v[:1] - cfg_rate * v[1:]
@@ -481,7 +524,8 @@ class CausalConditionalCFM(nn.Module):
         cond_in = mx.concatenate([cond, mx.zeros_like(cond)])
         t, dt = t_span[0:1], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            v, _, _ = self.estimator(mx.concatenate([x, x]), mu_in, mx.concatenate([t, t]), spks_in, cond_in)
+            v, _, _ = self.estimator(mx.concatenate([x, x]), mu_in, mx.concatenate([t, t]), spks_in, cond_in,
+                                     mods=self._modulations(t))
             x = x + dt * self._guided(v)
             t = t + dt
             if step < n_timesteps:
@@ -504,7 +548,8 @@ class CausalConditionalCFM(nn.Module):
         for step in range(1, n_timesteps + 1):
             v, nc, na = self.estimator(mx.concatenate([x, x]), mu_in, mx.concatenate([t, t]), spks_in, cond_in,
                                        None if cnn_cache is None else cnn_cache[step - 1],
-                                       None if att_cache is None else att_cache[step - 1])
+                                       None if att_cache is None else att_cache[step - 1],
+                                       mods=self._modulations(t))
             new_cnn.append(nc)
             new_att.append(na)
             x = x + dt * self._guided(v)
