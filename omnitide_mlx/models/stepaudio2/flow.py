@@ -435,9 +435,10 @@ class DiT(nn.Module):
         c = self.t_embedder(t)[:, None]
         return [block.modulation(c) for block in self.blocks] + [self.final_layer.modulation(c)]
 
-    def __call__(self, x, mu, t, spks, cond, cnn_cache=None, att_cache=None, mods=None):
+    def __call__(self, x, mu, t, spks, cond, cnn_cache=None, att_cache=None, mods=None, stack: bool = True):
         """x, mu, cond (B, T, C) channels last, t (B,), spks (B, C). With caches (depth, ...) -> new caches too.
-        ``mods``: ``modulations(t)`` computed before (for one row, it broadcasts over the batch); then t is unused."""
+        ``mods``: ``modulations(t)`` computed before (for one row, it broadcasts over the batch); then t is unused.
+        ``stack=False`` returns the new caches as per-block lists (the CFM stacks all steps at once)."""
         if mods is None:
             mods = self.modulations(t)
         spks = mx.broadcast_to(spks[:, None], (x.shape[0], x.shape[1], spks.shape[-1]))
@@ -448,6 +449,8 @@ class DiT(nn.Module):
                               None if att_cache is None else att_cache[i], mod=mods[i])
             new_cnn.append(nc)
             new_att.append(na)
+        if not stack:
+            return self.final_layer(h, None, mod=mods[-1]), new_cnn, new_att
         return self.final_layer(h, None, mod=mods[-1]), mx.stack(new_cnn), mx.stack(new_att)
 
 
@@ -549,14 +552,16 @@ class CausalConditionalCFM(nn.Module):
             v, nc, na = self.estimator(mx.concatenate([x, x]), mu_in, mx.concatenate([t, t]), spks_in, cond_in,
                                        None if cnn_cache is None else cnn_cache[step - 1],
                                        None if att_cache is None else att_cache[step - 1],
-                                       mods=self._modulations(t))
-            new_cnn.append(nc)
-            new_att.append(na)
+                                       mods=self._modulations(t), stack=False)
+            new_cnn += nc
+            new_att += na
             x = x + dt * self._guided(v)
             t = t + dt
             if step < n_timesteps:
                 dt = t_span[step + 1] - t
-        return x, mx.stack(new_cnn), mx.stack(new_att)
+        depth = len(self.estimator.blocks)  # one copy of all n_timesteps x depth caches, not one per step and one more
+        return (x, mx.stack(new_cnn).reshape((n_timesteps, depth) + new_cnn[0].shape),
+                mx.stack(new_att).reshape((n_timesteps, depth) + new_att[0].shape))
 
 
 def _l2_normalize(x, eps=1e-12):
