@@ -65,6 +65,10 @@ def test_transcendentals_match_mlx(values):
         assert out.dtype == mx.float32
         _close(out, ref(values), 1e-6)
     _close(cpu_math.exp(values / 4), mx.exp(values / 4), 1e-6)
+    _close(cpu_math.silu(values), values * mx.sigmoid(values), 1e-6)
+    extreme = mx.array([-1e30, -200.0, 0.0, 200.0, 1e30, float("inf")])
+    np.testing.assert_array_equal(np.asarray(cpu_math.exp(extreme)), np.asarray(mx.exp(extreme)))
+    np.testing.assert_allclose(np.asarray(cpu_math.silu(extreme[:-1])), np.asarray(extreme[:-1] * mx.sigmoid(extreme[:-1])))
 
 
 def test_activations_match_the_formulas(values):

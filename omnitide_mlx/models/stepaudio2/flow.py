@@ -51,7 +51,7 @@ HISTORY_FRAMES = 100  # Token2wav keeps the prompt plus this many frames of each
 
 
 def _act(name: str):
-    return {"swish": nn.silu, "relu": nn.relu, "gelu": nn.gelu, "tanh": mx.tanh}[name]
+    return {"swish": cpu_math.silu, "relu": nn.relu, "gelu": nn.gelu, "tanh": cpu_math.tanh}[name]
 
 
 def _causal_pad(x: mx.array, left: int, right: int = 0) -> mx.array:
