@@ -109,7 +109,7 @@ class PagedKVCache:
         if not isinstance(tokens, (int, np.integer)) or tokens <= 0:
             raise CacheError(f"a step writes a positive number of tokens, got {tokens!r}")
         uid, alloc_class = self._owner
-        if self.max_capacity is not None and self.table.free_slots_for(cls, self.max_capacity) < tokens:
+        if self.max_capacity is not None and self.table.free_slots_for(alloc_class, self.max_capacity) < tokens:
             raise CacheError(f"{tokens} new tokens do not fit under the cache's ceiling of {self.max_capacity} "
                              f"slots ({self.table.retained} retained): trim before writing")
         slots = self.table.allocate(int(tokens), uid, alloc_class)
