@@ -42,6 +42,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..loading import CheckpointError
+from . import cpu_math
 from .config import DecoderConfig, DiTConfig, EncoderConfig, FlowConfig, parse_flow_yaml
 
 NOISE_FRAMES = 50 * 600  # the official buffer: 600 s of mel frames
@@ -288,12 +289,8 @@ def _modulate(x, shift, scale):
     return x * (1 + scale) + shift
 
 
-def _gelu_tanh(x):
-    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
-
-
-def _mish(x):
-    return x * mx.tanh(mx.logaddexp(x, mx.zeros_like(x)))
+_gelu_tanh = cpu_math.gelu_tanh
+_mish = cpu_math.mish
 
 
 class TimestepEmbedder(nn.Module):
