@@ -136,22 +136,22 @@ class OmniLayerCache:
             parts += [self.full_keys, self.full_values]
         return sum(a.nbytes for a in parts)
 
-    def _quant_zeros(self, slots: int) -> list[mx.array]:
+    def quant_zeros(self, slots: int) -> list[mx.array]:
         p = self._parent
         return [mx.zeros((1, p.kv_heads, slots, p.head_dim * p.kv_bits // 32), mx.uint32),
                 mx.zeros((1, p.kv_heads, slots, p.head_dim // p.kv_group_size), p.dtype),
                 mx.zeros((1, p.kv_heads, slots, p.head_dim // p.kv_group_size), p.dtype)]
 
-    def _grow(self, capacity: int) -> None:
+    def grow(self, capacity: int) -> None:
         p = self._parent
         if p.kv_bits:
             if self.keys is None:
-                self.keys, self.values = self._quant_zeros(capacity), self._quant_zeros(capacity)
+                self.keys, self.values = self.quant_zeros(capacity), self.quant_zeros(capacity)
                 return
             extra = capacity - self.keys[0].shape[2]
             if extra > 0:
-                self.keys = [mx.concatenate([a, z], axis=2) for a, z in zip(self.keys, self._quant_zeros(extra))]
-                self.values = [mx.concatenate([a, z], axis=2) for a, z in zip(self.values, self._quant_zeros(extra))]
+                self.keys = [mx.concatenate([a, z], axis=2) for a, z in zip(self.keys, self.quant_zeros(extra))]
+                self.values = [mx.concatenate([a, z], axis=2) for a, z in zip(self.values, self.quant_zeros(extra))]
             return
         if self.keys is None:
             shape = (1, p.kv_heads, capacity, p.head_dim)

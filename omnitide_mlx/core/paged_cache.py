@@ -2,9 +2,10 @@
 
 The page table, the owner of the next tokens, capacity growth, the checks and counters of eviction and migration,
 the JSON side of a saved cache and the order of restoring one live here once, so the two backends cannot drift
-apart (their files are interchangeable). Each backend subclasses :class:`PagedKVCache` and keeps its buffers and
-the tensor work: writing a step, attention, re-rotation, moving rows, and reading / writing arrays. Imports no array
-framework: the torch path uses it without MLX.
+apart (their files are interchangeable). A cache is composed with a storage (core/kv_storage.py: :class:`KVStorage`)
+that holds its buffers and does the tensor work of re-rotation, moving rows, growing and reading / writing arrays;
+each backend's cache class builds :class:`PagedKVCache` with its own storage and adds what is its own (writing a
+step, attention, saving a file). Imports no array framework: the torch path uses it without MLX.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .errors import OmniTideError
+from .kv_storage import KVStorage
 from .page import AllocClass, LayoutError, LayoutStats, MigrationPlan, PageTable, check_move_order
 
 CACHE_FORMAT = "omnitide-cache/1"  # both backends write it: a file saved by one loads in the other
@@ -28,19 +30,15 @@ class CacheError(OmniTideError, ValueError):
 
 
 class PagedKVCache:
-    """The bookkeeping half of a paged KV cache; subclasses provide the hooks that touch tensors.
+    """The bookkeeping half of a paged KV cache, composed with a :class:`KVStorage` that touches the tensors.
 
-    Hooks: ``layers`` (each with ``index``, ``keys``, ``values``, ``nbytes``), ``dtype_bytes``,
-    ``_grow_buffers(capacity)`` / ``_shrink_buffers(capacity)`` (every layer's buffers and the scores, to
-    ``capacity`` slots), ``_rerotate(slots,
-    shifts)``, ``_move_rows(src, dst)`` (K, V and scores of every layer), ``_zero_scores(slots)``,
-    ``_scores_at(slots)`` (numpy float32), and for persistence ``_array(numpy)`` / ``_to_numpy(array)``,
-    ``_scores_state()``, ``_from_meta(meta, **options)`` (an empty cache of the saved configuration),
-    ``_load_buffers(arrays, capacity)`` and ``_load_scores(arrays, capacity)``.
+    A backend's cache class calls this constructor, then sets ``layers`` (each with ``index``, ``keys``,
+    ``values``, ``nbytes``) and ``storage`` (its :class:`KVStorage`, built for this cache); the bookkeeping calls
+    only the storage's public methods. A backend restores a saved state with its own ``from_state`` classmethod:
+    an empty cache of the saved configuration (:func:`saved_config`) filled by :meth:`load_state`.
     """
 
     DTYPES: ClassVar[dict[str, Any]] = {}  # dtype name -> the backend's dtype
-    QUANTISED_KV: ClassVar[bool] = False  # whether the backend holds quantised K/V (``kv_quant`` in a saved state)
     STATE_NAME: ClassVar[str] = "cache"  # what error messages call a saved state of this class
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, rope, dtype, *, page_size: int,
@@ -68,6 +66,7 @@ class PagedKVCache:
         self._step = None
         self.moved_rows = 0  # entries copied by migrations so far
         self.rotated_rows = 0  # kept keys re-rotated by evictions so far
+        self.storage: KVStorage | None = None  # set by the backend's constructor
 
     @classmethod
     def dtype_name(cls, dtype) -> str:
@@ -110,7 +109,7 @@ class PagedKVCache:
         if not isinstance(tokens, (int, np.integer)) or tokens <= 0:
             raise CacheError(f"a step writes a positive number of tokens, got {tokens!r}")
         uid, alloc_class = self._owner
-        if self.max_capacity is not None and self.table.free_slots_for(cls, self.max_capacity) < tokens:
+        if self.max_capacity is not None and self.table.free_slots_for(alloc_class, self.max_capacity) < tokens:
             raise CacheError(f"{tokens} new tokens do not fit under the cache's ceiling of {self.max_capacity} "
                              f"slots ({self.table.retained} retained): trim before writing")
         slots = self.table.allocate(int(tokens), uid, alloc_class)
@@ -135,7 +134,7 @@ class PagedKVCache:
         new = -(-new // page) * page
         if self.max_capacity is not None:
             new = min(new, max(self.max_capacity, -(-needed // page) * page))
-        self._grow_buffers(new)
+        self.storage.grow(self._capacity, new)
         self._capacity = new
 
     def shrink(self, capacity: int) -> None:
@@ -150,7 +149,7 @@ class PagedKVCache:
             self.table.shrink(capacity)
         except LayoutError as e:
             raise CacheError(str(e)) from e
-        self._shrink_buffers(capacity)
+        self.storage.shrink(capacity)
         self._capacity = capacity
 
     # --- eviction -----------------------------------------------------------------------------------------------
@@ -181,22 +180,23 @@ class PagedKVCache:
         if moving.any():
             if self.rope is None:
                 raise CacheError("this plan shifts positions, but the cache has no RopeSpec to re-rotate keys")
-            self._rerotate(kept[moving], shifts[moving])
+            self.storage.rerotate(kept[moving], shifts[moving],
+                                  [self.rounding_seed(i) for i in range(self.num_layers)])
             self.rotated_rows += int(moving.sum())
         freed = self.table.apply_retention(plan)
         self.evictions += 1
-        if self.collect_scores and freed.size:
-            self._zero_scores(freed)
+        if freed.size:
+            self.storage.release(freed)
         return freed
 
-    def _rounding_seed(self, layer: int) -> int:
+    def rounding_seed(self, layer: int) -> int:
         """The seed of one layer's stochastic rounding in the current eviction (reproducible, distinct)."""
         return (self.seed * 1_000_003 + self.evictions) * 4096 + layer
 
     # --- migration ----------------------------------------------------------------------------------------------
     def migrate(self, plan: MigrationPlan) -> int:
         """Execute an accepted OmniPage migration plan: one source / destination map moves every layer's rows
-        (``_move_rows``: the sources are gathered into scratch before any destination is written), then the page
+        (``storage.move_rows``: the sources are gathered into scratch before any destination is written), then the page
         table. Returns rows moved."""
         if self._step is not None:
             raise CacheError("migrate() inside an open step")
@@ -206,7 +206,7 @@ class PagedKVCache:
             raise CacheError("migration plan was made for a different layout (plan it on this cache's table, now)")
         check_move_order(plan.src, plan.dst, self.table.occupancy())
         if plan.src.size:
-            self._move_rows(plan.src, plan.dst)
+            self.storage.move_rows(plan.src, plan.dst)
         self.table.apply_migration(plan)
         self.moved_rows += int(plan.src.size)
         return int(plan.src.size)
@@ -222,7 +222,7 @@ class PagedKVCache:
             raise CacheError(f"token_scores() needs {type(self).__name__}(..., collect_scores=True)")
         if history is not None:
             self.table.check_history(history)
-        return self._scores_at(self.logical_slots())
+        return self.storage.scores_at(self.logical_slots())
 
     # --- introspection ------------------------------------------------------------------------------------------
     def layout_stats(self) -> LayoutStats:
@@ -234,8 +234,13 @@ class PagedKVCache:
         return sum(layer.nbytes for layer in self.layers)
 
     @property
+    def dtype_bytes(self) -> int:
+        return self.storage.dtype_bytes
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """K and V bytes of one token across all layers (the storage's: quantised rows count their scales)."""
+        return self.storage.bytes_per_token
 
     def stats(self) -> dict:
         """Layout (retained cells, physical span, active pages / subblocks, holes, capacity) and KV bytes."""
@@ -252,21 +257,12 @@ class PagedKVCache:
         """Every array needed to restore the cache exactly."""
         if self._step is not None:
             raise CacheError("state of a cache with an open step")
-        arrays = self._buffer_arrays()
+        arrays = self.storage.buffer_arrays()
         t = self.table.state()
         for name in TABLE_ARRAYS:
-            arrays[f"table.{name}"] = self._array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
+            arrays[f"table.{name}"] = self.storage.to_array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
         if self.collect_scores:
-            arrays["scores"] = self._scores_state()
-        return arrays
-
-    def _buffer_arrays(self) -> dict:
-        """Every layer's K/V buffers by saved name (a backend with more arrays per layer overrides this)."""
-        arrays = {}
-        for layer in self.layers:
-            if layer.keys is not None:
-                arrays[f"layers.{layer.index}.keys"] = layer.keys
-                arrays[f"layers.{layer.index}.values"] = layer.values
+            arrays["scores"] = self.storage.scores_state()
         return arrays
 
     @property
@@ -286,76 +282,93 @@ class PagedKVCache:
             "table": table_meta(t),
         }
 
-    def _file_metadata(self, metadata: dict | None = None) -> dict[str, str]:
+    def file_metadata(self, metadata: dict | None = None) -> dict[str, str]:
         """The safetensors metadata of a saved cache: its JSON side and the caller's own."""
         return {"omnitide_cache": json.dumps(self.meta_state), "user": json.dumps(metadata or {})}
 
-    @classmethod
-    def from_state(cls, arrays: dict, meta: dict, **options):
-        """A cache from ``state`` / ``meta_state`` (either backend's): built by ``_from_meta(meta, **options)``,
-        then counters, page table, buffers (checked against the table), scores and owner restored. A missing key
-        or a bad table raises :class:`CacheError`."""
-        if meta.get("format") != CACHE_FORMAT:
-            raise CacheError(f"not an {cls.STATE_NAME} state (format {meta.get('format')!r}, want {CACHE_FORMAT!r})")
-        if meta.get("kv_quant") and not cls.QUANTISED_KV:
-            raise CacheError(f"a quantised cache state (kv_bits {meta['kv_quant'].get('bits')}): {cls.STATE_NAME} "
-                             "holds float K/V only; load it with OmniCache (MLX)")
+    def load_state(self, arrays: dict, meta: dict):
+        """Fill this empty cache, built with the saved configuration (:func:`saved_config`), from ``state`` /
+        ``meta_state`` (either backend's): counters, page table, buffers (checked against the table), scores and
+        owner. A missing key or a bad table raises :class:`CacheError`. Returns the cache."""
         try:
-            cache = cls._from_meta(meta, **options)
-            cache.evictions = int(meta["evictions"])
+            self.evictions = int(meta["evictions"])
             table_state = dict(meta["table"])
             for name in TABLE_ARRAYS:
-                table_state[name] = cache._to_numpy(arrays[f"table.{name}"]).astype(np.int64).tolist()
-            cache.table = PageTable.from_state(table_state)
+                table_state[name] = self.storage.to_numpy(arrays[f"table.{name}"]).astype(np.int64).tolist()
+            self.table = PageTable.from_state(table_state)
             cap = int(meta["capacity"])
             if cap:
-                cache._load_buffers(arrays, cap)
-            cache._capacity = cap
-            if cap < cache.table.capacity:
-                raise CacheError(f"buffers hold {cap} slots, the page table {cache.table.capacity}")
-            cache._load_scores(arrays, cap)
-            cache._owner = (int(meta["owner"][0]), AllocClass(meta["owner"][1])) if meta["owner"] else None
-            cache.moved_rows, cache.rotated_rows = int(meta["moved_rows"]), int(meta["rotated_rows"])
+                self.storage.load_buffers(arrays, cap)
+            self._capacity = cap
+            if cap < self.table.capacity:
+                raise CacheError(f"buffers hold {cap} slots, the page table {self.table.capacity}")
+            self.storage.load_scores(arrays, cap)
+            self._owner = (int(meta["owner"][0]), AllocClass(meta["owner"][1])) if meta["owner"] else None
+            self.moved_rows, self.rotated_rows = int(meta["moved_rows"]), int(meta["rotated_rows"])
         except KeyError as e:
-            raise CacheError(f"incomplete {cls.STATE_NAME} state: missing {e}") from e
+            raise CacheError(f"incomplete {self.STATE_NAME} state: missing {e}") from e
         except LayoutError as e:
             raise CacheError(f"bad page table in the saved state: {e}") from e
-        return cache
+        return self
 
     def from_table(self, table: PageTable, buffers: dict, scores: np.ndarray | None = None):
         """A new cache configured as this one that holds ``table`` (its slots, sequence numbers, owners and classes)
         with ``buffers`` at the table's capacity (the arrays ``state`` names per layer: ``layers.{i}.keys`` /
         ``.values``, or a quantised cache's packed parts) and, for a score-collecting cache, ``scores`` (one per
-        slot); counters start at zero. The stream benchmark installs a simulated layout with it."""
+        slot); counters start at zero. The stream benchmark installs a simulated layout with it. Built by the
+        backend class's ``from_state``."""
         t = table.state()
         arrays = dict(buffers)
         for name in TABLE_ARRAYS:
-            arrays[f"table.{name}"] = self._array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
+            arrays[f"table.{name}"] = self.storage.to_array(np.asarray(t[name], dtype=np.int64).astype(np.int32))
         if self.collect_scores:
             if scores is None:
                 raise CacheError("a score-collecting cache needs scores for the table's slots")
-            arrays["scores"] = self._array(np.asarray(scores, dtype=np.float32))
+            arrays["scores"] = self.storage.to_array(np.asarray(scores, dtype=np.float32))
         meta = dict(self.meta_state, capacity=table.capacity, evictions=0, moved_rows=0, rotated_rows=0,
                     table=table_meta(t))
         return type(self).from_state(arrays, meta)
 
-    def _check_saved_buffers(self, index: int, keys, values, capacity: int) -> None:
-        """A saved layer's K / V must have the cache's shape at ``capacity`` and its dtype."""
-        want = (1, self.kv_heads, capacity, self.head_dim)
-        if tuple(keys.shape) != want or tuple(values.shape) != want:
-            raise CacheError(f"layer {index}: saved buffers are {tuple(keys.shape)}, expected {want}")
-        if keys.dtype != self.dtype or values.dtype != self.dtype:
-            raise CacheError(f"layer {index}: saved buffers are {keys.dtype}, expected {self.dtype}")
 
-    @classmethod
-    def _from_file(cls, path, arrays: dict, meta: dict, return_metadata: bool, **options):
-        """The cache in a safetensors file's arrays and metadata (and the caller's metadata when asked)."""
-        if "omnitide_cache" not in meta:
-            raise CacheError(f"{path} holds no {cls.STATE_NAME} (no 'omnitide_cache' metadata)")
-        cache = cls.from_state(arrays, json.loads(meta["omnitide_cache"]), **options)
-        if return_metadata:
-            return cache, json.loads(meta.get("user", "{}"))
-        return cache
+def check_state_meta(meta: dict, state_name: str, quantised_kv: bool) -> None:
+    """A saved cache's JSON side must be of this format, and a quantised state needs a backend that holds one."""
+    if meta.get("format") != CACHE_FORMAT:
+        raise CacheError(f"not an {state_name} state (format {meta.get('format')!r}, want {CACHE_FORMAT!r})")
+    if meta.get("kv_quant") and not quantised_kv:
+        raise CacheError(f"a quantised cache state (kv_bits {meta['kv_quant'].get('bits')}): {state_name} "
+                         "holds float K/V only; load it with OmniCache (MLX)")
+
+
+def saved_config(meta: dict, state_name: str) -> dict:
+    """The constructor arguments both backends share, from a saved cache's JSON side: ``num_layers``,
+    ``kv_heads``, ``head_dim``, ``rope`` (its JSON, or None), ``dtype`` (its name) and the keyword options."""
+    try:
+        tm = meta["table"]
+        return dict(num_layers=meta["num_layers"], kv_heads=meta["kv_heads"], head_dim=meta["head_dim"],
+                    rope=meta["rope"], dtype=meta["dtype"], page_size=tm["page_size"],
+                    subblock_size=tm["subblock_size"], placement=tm["placement"], grow_pages=meta["grow_pages"],
+                    collect_scores=meta["collect_scores"], rounding=meta["rounding"], seed=meta["seed"])
+    except KeyError as e:
+        raise CacheError(f"incomplete {state_name} state: missing {e}") from e
+
+
+def check_saved_buffers(index: int, keys, values, shape: tuple, dtype) -> None:
+    """A saved layer's K / V must have ``shape`` (the cache's at the saved capacity) and its dtype."""
+    if tuple(keys.shape) != shape or tuple(values.shape) != shape:
+        raise CacheError(f"layer {index}: saved buffers are {tuple(keys.shape)}, expected {shape}")
+    if keys.dtype != dtype or values.dtype != dtype:
+        raise CacheError(f"layer {index}: saved buffers are {keys.dtype}, expected {dtype}")
+
+
+def load_file(cache_cls, path, arrays: dict, meta: dict, return_metadata: bool, **options):
+    """The cache in a safetensors file's arrays and metadata, restored by ``cache_cls.from_state(arrays, meta,
+    **options)`` (and the caller's metadata when asked)."""
+    if "omnitide_cache" not in meta:
+        raise CacheError(f"{path} holds no {cache_cls.STATE_NAME} (no 'omnitide_cache' metadata)")
+    cache = cache_cls.from_state(arrays, json.loads(meta["omnitide_cache"]), **options)
+    if return_metadata:
+        return cache, json.loads(meta.get("user", "{}"))
+    return cache
 
 
 def table_meta(table_state: dict) -> dict:

@@ -37,10 +37,17 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..core.paged_cache import CACHE_FORMAT, CacheError, PagedKVCache
+from ..core.paged_cache import (
+    CACHE_FORMAT,
+    CacheError,
+    PagedKVCache,
+    check_state_meta,
+    load_file,
+    saved_config,
+)
 from ..rope import RopeSpec
 from .attention import KERNELS, StepPlan, attend, plan_step
-from .rope import rotate_tokens, stochastic_round
+from .cache_storage import TorchKVStorage
 
 __all__ = ["ATTENTION_NAME", "CACHE_FORMAT", "CacheError", "OmniTorchCache", "OmniTorchLayer", "default_kernel",
            "omnitide_attention", "register_attention"]
@@ -117,7 +124,8 @@ class OmniTorchLayer(CacheLayerMixin):
 
 class OmniTorchCache(PagedKVCache, Cache):
     """Per-layer paged K/V buffers with one shared page table (see the module docstring for the protocol); the
-    bookkeeping is :class:`~omnitide_mlx.core.paged_cache.PagedKVCache`'s, shared with the MLX cache.
+    bookkeeping is :class:`~omnitide_mlx.core.paged_cache.PagedKVCache`'s, shared with the MLX cache, composed
+    with a :class:`~omnitide_mlx.torch.cache_storage.TorchKVStorage` (``storage``) that holds the tensor work.
 
     ``placement``: ``"class_aware"`` (OmniPage) or ``"first_fit"`` (plain, and the ordered-suffix layout);
     ``kernel``: ``"flex"``, ``"sdpa"`` or ``"reference"`` (default: flex on CUDA, sdpa elsewhere; a cache that
@@ -147,8 +155,8 @@ class OmniTorchCache(PagedKVCache, Cache):
         self.kernel_fallback: str | None = None  # why flex gave way to sdpa, when it did
         self.attention = attention
         Cache.__init__(self, layers=[OmniTorchLayer(self, i) for i in range(self.num_layers)])
+        self.storage = TorchKVStorage(self)
         self._step: _Step | None = None
-        self._scores = torch.zeros(0, dtype=torch.float32, device=self.device)
         self.seen_tokens = 0  # tokens written through completed steps: transformers' logical sequence length
 
     @classmethod
@@ -251,7 +259,7 @@ class OmniTorchCache(PagedKVCache, Cache):
         try:
             if self.collect_scores:
                 out, scores = attend(self.kernel, q, layer.keys, layer.values, step.plan, scale, return_scores=True)
-                self._scores += scores
+                self.storage.scores += scores
             else:
                 out = attend(self.kernel, q, layer.keys, layer.values, step.plan, scale)
         except Exception as e:
@@ -268,83 +276,13 @@ class OmniTorchCache(PagedKVCache, Cache):
             self._close_step()
         return out
 
-    def _grow_buffers(self, new: int) -> None:
-        shape = (1, self.kv_heads, new, self.head_dim)
-        for layer in self.layers:
-            keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if layer.keys is not None:
-                keys[:, :, : self._capacity] = layer.keys
-                values[:, :, : self._capacity] = layer.values
-            layer.keys, layer.values = keys, values
-            layer.is_initialized = True
-        extra = torch.zeros(new - self._capacity, dtype=torch.float32, device=self.device)
-        self._scores = torch.cat([self._scores, extra])
-
-    def _shrink_buffers(self, capacity: int) -> None:
-        for layer in self.layers:
-            if layer.keys is not None:
-                layer.keys = layer.keys[:, :, :capacity].clone()
-                layer.values = layer.values[:, :, :capacity].clone()
-        self._scores = self._scores[:capacity].clone()
-
-    # --- eviction (evict: PagedKVCache) -----------------------------------------------------------------------
-    def _rerotate(self, slots: np.ndarray, shifts: np.ndarray) -> None:
-        """Rotate the keys at ``slots`` by ``-shifts``: gather, one float32 rotation, one rounding, scatter."""
-        idx = torch.as_tensor(slots, device=self.device)
-        offsets = torch.as_tensor(-shifts, device=self.device)
-        for layer in self.layers:
-            rows = layer.keys[0].index_select(1, idx).transpose(0, 1).to(torch.float32)  # [n, Hkv, D]
-            rot = rotate_tokens(rows, offsets, self.rope)
-            if self.rounding == "stochastic":
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(self._rounding_seed(layer.index))
-                rot = stochastic_round(rot, self.dtype, gen)
-            layer.keys.index_copy_(2, idx, rot.to(self.dtype).transpose(0, 1)[None])
-
-    def _zero_scores(self, slots: np.ndarray) -> None:
-        self._scores[torch.as_tensor(slots, device=self.device)] = 0.0
-
-    # --- migration (migrate: PagedKVCache) ------------------------------------------------------------------
-    def _move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Per layer, the source rows of K and V are gathered into scratch, then written to the destinations in
-        place (no write can clobber a source another move still needs)."""
-        src_t = torch.as_tensor(src, device=self.device)
-        dst_t = torch.as_tensor(dst, device=self.device)
-        for layer in self.layers:
-            for buf in (layer.keys, layer.values):
-                rows = buf.index_select(2, src_t)  # scratch: the moved rows only
-                buf.index_copy_(2, dst_t, rows)
-                del rows
-        if self.collect_scores:
-            moved = self._scores.index_select(0, src_t)
-            self._scores[src_t] = 0.0
-            self._scores.index_copy_(0, dst_t, moved)
-
-    def _scores_at(self, slots: np.ndarray) -> np.ndarray:
-        idx = torch.as_tensor(slots, device=self.device)
-        return self._scores.index_select(0, idx).cpu().numpy().astype(np.float32)
-
     # --- introspection ----------------------------------------------------------------------------------------
-    @property
-    def dtype_bytes(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
-
     def stats(self) -> dict:
         s = super().stats()
         s.update(kernel=self.kernel, kernel_fallback=self.kernel_fallback, attention=self.attention)
         return s
 
     # --- persistence (the MLX OmniCache's safetensors layout; state: PagedKVCache) ---------------------------
-    def _array(self, a: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(a)
-
-    def _to_numpy(self, a: torch.Tensor) -> np.ndarray:
-        return a.detach().cpu().numpy()
-
-    def _scores_state(self) -> torch.Tensor:
-        return self._scores
-
     @property
     def meta_state(self) -> dict:
         return {**super().meta_state, "seen_tokens": self.seen_tokens, "kernel": self.kernel,
@@ -353,43 +291,33 @@ class OmniTorchCache(PagedKVCache, Cache):
     @classmethod
     def from_state(cls, arrays: dict[str, torch.Tensor], meta: dict, device="cpu", kernel: str | None = None
                    ) -> "OmniTorchCache":
-        """A cache from ``state`` / ``meta_state`` (also an MLX OmniCache's). ``kernel`` overrides the saved one
-        (a cache saved on CUDA with flex can continue on a CPU with sdpa)."""
-        cache = super().from_state(arrays, meta, device=torch.device(device), kernel=kernel)
-        cache.seen_tokens = int(meta.get("seen_tokens", cache.table.next_seq))
-        return cache
-
-    @classmethod
-    def _from_meta(cls, meta: dict, device: torch.device, kernel: str | None) -> "OmniTorchCache":
-        tm = meta["table"]
+        """A cache from ``state`` / ``meta_state`` (also an MLX OmniCache's): an empty cache of the saved
+        configuration, filled by :meth:`~omnitide_mlx.core.paged_cache.PagedKVCache.load_state`. ``kernel``
+        overrides the saved one (a cache saved on CUDA with flex can continue on a CPU with sdpa)."""
+        check_state_meta(meta, cls.STATE_NAME, quantised_kv=False)
+        device = torch.device(device)
+        cfg = saved_config(meta, cls.STATE_NAME)
+        rope = cfg.pop("rope")
+        try:
+            dtype = cls.DTYPES[cfg.pop("dtype")]
+        except KeyError as e:
+            raise CacheError(f"incomplete {cls.STATE_NAME} state: missing {e}") from e
         saved_kernel = meta.get("kernel")
         if kernel is None and saved_kernel == "flex" and device.type != "cuda":
             saved_kernel = None  # flex is the CUDA default; elsewhere take the device's default
-        return cls(meta["num_layers"], meta["kv_heads"], meta["head_dim"],
-                   RopeSpec.from_json(meta["rope"]) if meta["rope"] else None, cls.DTYPES[meta["dtype"]], device,
-                   page_size=tm["page_size"], subblock_size=tm["subblock_size"], placement=tm["placement"],
-                   grow_pages=meta["grow_pages"], collect_scores=meta["collect_scores"],
-                   kernel=kernel or saved_kernel, attention=meta.get("attention", "omnitide"),
-                   rounding=meta["rounding"], seed=meta["seed"])
-
-    def _load_buffers(self, arrays: dict[str, torch.Tensor], capacity: int) -> None:
-        for layer in self.layers:
-            keys, values = arrays[f"layers.{layer.index}.keys"], arrays[f"layers.{layer.index}.values"]
-            self._check_saved_buffers(layer.index, keys, values, capacity)
-            layer.keys = keys.to(self.device).contiguous()
-            layer.values = values.to(self.device).contiguous()
-            layer.is_initialized = True
-
-    def _load_scores(self, arrays: dict[str, torch.Tensor], capacity: int) -> None:
-        self._scores = (arrays["scores"].to(device=self.device, dtype=torch.float32).clone() if self.collect_scores
-                        else torch.zeros(capacity, dtype=torch.float32, device=self.device))
+        cache = cls(cfg.pop("num_layers"), cfg.pop("kv_heads"), cfg.pop("head_dim"),
+                    RopeSpec.from_json(rope) if rope else None, dtype, device, kernel=kernel or saved_kernel,
+                    attention=meta.get("attention", "omnitide"), **cfg)
+        cache.load_state(arrays, meta)
+        cache.seen_tokens = int(meta.get("seen_tokens", cache.table.next_seq))
+        return cache
 
     def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
         """One safetensors file: arrays as tensors, configuration as JSON metadata."""
         from safetensors.torch import save_file
 
         arrays = {k: v.detach().to("cpu").contiguous() for k, v in self.state.items()}
-        save_file(arrays, str(path), metadata=self._file_metadata(metadata))
+        save_file(arrays, str(path), metadata=self.file_metadata(metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike, device="cpu", kernel: str | None = None, return_metadata: bool = False):
@@ -404,7 +332,7 @@ class OmniTorchCache(PagedKVCache, Cache):
             raise
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise CacheError(f"{path} is not a readable safetensors file ({e})") from None
-        return cls._from_file(path, arrays, meta, return_metadata, device=device, kernel=kernel)
+        return load_file(cls, path, arrays, meta, return_metadata, device=device, kernel=kernel)
 
 
 # --- transformers' attention interface ---------------------------------------------------------------------------

@@ -62,9 +62,12 @@ class TorchQwenOmni:
         return self.hf.lm_head(out.last_hidden_state[:, -1])[0]
 
 
-class TorchQwenOmniAdapter(QwenOmniLayout):
-    """The unit layouts of :class:`~omnitide_mlx.models.qwen2_5_omni.layout.QwenOmniLayout` with transformers'
-    embeddings and encoders."""
+class TorchQwenOmniEmbedder:
+    """transformers' token embeddings and encoders of one thinker, for the unit layouts
+    (``models/qwen2_5_omni/layout.py: QwenOmniEmbedder``)."""
+
+    def __init__(self, model: TorchQwenOmni):
+        self.model = model
 
     @torch.no_grad()
     def embed_tokens(self, ids) -> torch.Tensor:
@@ -72,7 +75,7 @@ class TorchQwenOmniAdapter(QwenOmniLayout):
         return self.model.hf.get_input_embeddings()(t)
 
     @torch.no_grad()
-    def _vision_features(self, rows: np.ndarray, grid) -> torch.Tensor:
+    def vision_features(self, rows: np.ndarray, grid) -> torch.Tensor:
         hf = self.model.hf.model
         pixels = torch.as_tensor(rows, device=self.model.device).to(hf.visual.dtype)
         grid_thw = torch.as_tensor(np.asarray([grid], dtype=np.int64), device=self.model.device)
@@ -80,18 +83,26 @@ class TorchQwenOmniAdapter(QwenOmniLayout):
         return torch.cat(list(out.pooler_output), dim=0)
 
     @torch.no_grad()
-    def _audio_features(self, mel: np.ndarray) -> torch.Tensor:
+    def audio_features(self, mel: np.ndarray) -> torch.Tensor:
         hf = self.model.hf.model
         feats = torch.as_tensor(mel[None], device=self.model.device).to(hf.audio_tower.dtype)
         mask = torch.ones(1, mel.shape[1], dtype=torch.long, device=self.model.device)
         return hf.get_audio_features(feats, mask, return_dict=True).last_hidden_state
 
-    def _scatter(self, embeds: torch.Tensor, slots: np.ndarray, feats: torch.Tensor) -> torch.Tensor:
+    def scatter(self, embeds: torch.Tensor, slots: np.ndarray, feats: torch.Tensor) -> torch.Tensor:
         if feats.shape[0] != slots.size:
             raise ValueError(f"{slots.size} placeholder tokens but the encoder gave {feats.shape[0]} embeddings")
         out = embeds.clone()
         out[torch.as_tensor(slots, device=embeds.device)] = feats.to(embeds.dtype)
         return out
+
+
+class TorchQwenOmniAdapter(QwenOmniLayout):
+    """The unit layouts of :class:`~omnitide_mlx.models.qwen2_5_omni.layout.QwenOmniLayout` with a
+    :class:`TorchQwenOmniEmbedder` (transformers' embeddings and encoders)."""
+
+    def __init__(self, model: TorchQwenOmni, processor, **kw):
+        super().__init__(model, processor, TorchQwenOmniEmbedder(model), **kw)
 
 
 def _thinker_config(path: Path, config: dict):

@@ -117,8 +117,8 @@ def test_quantised_drift_after_200_evictions(bits, rerotate):
     slots = c.slots_of_unit(tracked.uid)
     got = dequantize_rows([a[:, :, mx.array(slots.astype(np.int32))] for a in c[0].keys], gs, bits)[0]
     if rerotate == "deferred":  # what attention reads: the stored key rotated by its pending shift
-        assert (c._shift[slots] == N).all()
-        got = c.rope.rotate_tokens(got.transpose(1, 0, 2), mx.array(-c._shift[slots].astype(np.int32)))
+        assert (c.storage.shift[slots] == N).all()
+        got = c.rope.rotate_tokens(got.transpose(1, 0, 2), mx.array(-c.storage.shift[slots].astype(np.int32)))
         got = got.transpose(1, 0, 2)
     else:
         assert c.rotated_rows >= N * 64

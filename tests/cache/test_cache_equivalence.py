@@ -59,7 +59,7 @@ def test_h2o_scores_accumulate_per_kept_token():
     s.maintain(H2O(high=100, low=60))
     got = s.cache.token_scores(s.history)
     np.testing.assert_allclose(got, np.array([s.scores[t] for t in s.alive]), rtol=1e-5, atol=1e-5)
-    assert abs(got.sum() - s.cache._scores.sum()) < 1e-3  # nothing left on freed slots
+    assert abs(got.sum() - s.cache.storage.scores.sum()) < 1e-3  # nothing left on freed slots
 
 
 def test_h2o_policy_runs_on_cache_scores():

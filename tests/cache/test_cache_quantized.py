@@ -53,9 +53,9 @@ def test_sinks_are_held_in_full_precision():
     c = s.cache
     sys_uid = s.history.units[0].uid
     slots = c.slots_of_unit(sys_uid)
-    rows = c._full_row[slots]
-    assert (rows >= 0).all() and (c._full_slot[rows] == slots).all()
-    assert (c._full_row >= 0).sum() == slots.size  # only the must-keep class
+    rows = c.storage.full_row[slots]
+    assert (rows >= 0).all() and (c.storage.full_slot[rows] == slots).all()
+    assert (c.storage.full_row >= 0).sum() == slots.size  # only the must-keep class
     ids = s.alive[: slots.size]
     from stream_oracle import rope64
     for layer in c.layers:  # the system prompt's keys as written: float16, not quantised
@@ -126,7 +126,7 @@ def test_save_load_round_trip_is_exact(tmp_path, keep_sinks_full):
             assert x.dtype == y.dtype and mx.array_equal(x, y)
         if keep_sinks_full:
             assert mx.array_equal(a.full_keys, b.full_keys) and mx.array_equal(a.full_values, b.full_values)
-    np.testing.assert_array_equal(restored._full_row, c._full_row)
+    np.testing.assert_array_equal(restored.storage.full_row, c.storage.full_row)
     twin = copy.copy(s)
     twin.cache = restored
     twin.outputs, twin.oracle = [], []
@@ -165,7 +165,7 @@ def test_bad_options_are_rejected():
     c.set_owner(0, AllocClass.MUST_KEEP)
     c.begin_step(3)
     c.abort_step()  # gives back the step's full-precision rows too
-    assert (c._full_slot < 0).all() and (c._full_row < 0).all()
+    assert (c.storage.full_slot < 0).all() and (c.storage.full_row < 0).all()
 
 
 @pytest.mark.parametrize("keep_sinks_full", [False, True], ids=["all-quantised", "sinks-full"])
@@ -185,7 +185,7 @@ def test_shrink_gives_back_packed_slots_and_changes_no_output(keep_sinks_full):
     assert c.capacity < twin.cache.capacity
     for layer in c.layers:
         assert all(a.shape[2] == c.capacity for a in layer.keys + layer.values)
-    assert c._shift.shape == (c.capacity,) and c._full_row.shape == (c.capacity,)
+    assert c.storage.shift.shape == (c.capacity,) and c.storage.full_row.shape == (c.capacity,)
     s.outputs, twin.outputs = [], []
     rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
     for _ in range(5):

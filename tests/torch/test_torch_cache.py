@@ -47,7 +47,7 @@ def test_h2o_scores_are_the_attention_each_kept_token_received():
     np.testing.assert_allclose(s.cache.token_scores(s.history), [s.scores[t] for t in s.alive], rtol=1e-5, atol=1e-5)
     s.maintain(H2O(high=100, low=60))
     np.testing.assert_allclose(s.cache.token_scores(s.history), [s.scores[t] for t in s.alive], rtol=1e-5, atol=1e-5)
-    assert abs(s.cache.token_scores().sum() - float(s.cache._scores.sum())) < 1e-3  # freed slots forget theirs
+    assert abs(s.cache.token_scores().sum() - float(s.cache.storage.scores.sum())) < 1e-3  # freed slots forget theirs
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -21,17 +21,17 @@ Fed unit by unit through a cache they give the same logits as one offline forwar
 where every unit's frame is a separate one-grid video and its audio a separate clip (see the tests).
 
 This module decides token ids, spans, positions and which encoder output goes to which placeholder, with numpy
-only. A backend subclass supplies the arrays: token embeddings, the vision and audio encoders, and the scatter of
-their outputs into the placeholder rows (adapter.py on MLX, omnitide_mlx/torch/qwen2_5_omni.py on PyTorch), so
-both backends lay out every unit identically.
+only. A backend's embedder (:class:`QwenOmniEmbedder`) supplies the arrays: token embeddings, the vision and audio
+encoders, and the scatter of their outputs into the placeholder rows (adapter.py on MLX,
+omnitide_mlx/torch/qwen2_5_omni.py on PyTorch); the layout is composed with one, so both backends lay out every
+unit identically.
 """
 
 from __future__ import annotations
 
 import time
-from abc import abstractmethod
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -115,20 +115,37 @@ def kv_spec(config) -> KVSpec:
                   rope=RopeSpec(t.head_dim, t.rope_theta, traditional=False), position_axes=3)
 
 
-class QwenOmniLayout(StreamAdapter):
-    """One session's protocol state (whether a user turn opened by media units is still open) and the unit layouts.
+class QwenOmniEmbedder(Protocol):
+    """What a backend supplies to the unit layouts: the arrays (MLX arrays or torch tensors) of one model."""
 
-    ``model`` needs ``kv_spec()`` and ``config`` (a :class:`~.config.ModelConfig`); subclasses implement
-    ``embed_tokens``, ``_vision_features``, ``_audio_features`` and ``_scatter``.
+    def embed_tokens(self, ids) -> Any:
+        """Token embeddings ``[T, hidden]``."""
+
+    def vision_features(self, rows: np.ndarray, grid: tuple[int, int, int]) -> Any:
+        """The vision encoder's merged outputs ``[tokens, hidden]`` for one frame's patch rows and grid."""
+
+    def audio_features(self, mel: np.ndarray) -> Any:
+        """The audio encoder's outputs ``[tokens, hidden]`` for one clip's log-mel ``[mels, frames]``."""
+
+    def scatter(self, embeds: Any, slots: np.ndarray, feats: Any) -> Any:
+        """``embeds`` with rows ``slots`` replaced by ``feats`` (cast to the embeddings' dtype)."""
+
+
+class QwenOmniLayout(StreamAdapter):
+    """One session's protocol state (whether a user turn opened by media units is still open) and the unit layouts,
+    composed with a backend's :class:`QwenOmniEmbedder` (``embedder``) that computes the arrays.
+
+    ``model`` needs ``kv_spec()`` and ``config`` (a :class:`~.config.ModelConfig`).
     """
 
     sample_rate = 16000
 
-    def __init__(self, model, processor, *, frame_min_pixels: int = FRAME_MIN_PIXELS,
+    def __init__(self, model, processor, embedder: QwenOmniEmbedder, *, frame_min_pixels: int = FRAME_MIN_PIXELS,
                  frame_max_pixels: int | None = None, system_prompt: str = DEFAULT_SYSTEM_PROMPT,
                  media: MediaSetting | None = None):
         self.model = model
         self.processor = processor
+        self.embedder = embedder
         self.kv_spec = model.kv_spec()
         self.media = media or MediaSetting()
         if frame_max_pixels is None:
@@ -150,18 +167,8 @@ class QwenOmniLayout(StreamAdapter):
         self.stop_token_ids = frozenset({ids["<|im_end|>"], ids["<|endoftext|>"]})
         self.turn_open = False
 
-    # --- what a backend supplies -----------------------------------------------------------------------------
-    @abstractmethod
-    def _vision_features(self, rows: np.ndarray, grid: tuple[int, int, int]) -> Any:
-        """The vision encoder's merged outputs ``[tokens, hidden]`` for one frame's patch rows and grid."""
-
-    @abstractmethod
-    def _audio_features(self, mel: np.ndarray) -> Any:
-        """The audio encoder's outputs ``[tokens, hidden]`` for one clip's log-mel ``[mels, frames]``."""
-
-    @abstractmethod
-    def _scatter(self, embeds: Any, slots: np.ndarray, feats: Any) -> Any:
-        """``embeds`` with rows ``slots`` replaced by ``feats`` (cast to the embeddings' dtype)."""
+    def embed_tokens(self, ids) -> Any:
+        return self.embedder.embed_tokens(ids)
 
     # --- helpers --------------------------------------------------------------------------------------------
     def stream_units(self, frame: bool = True, audio: bool = True) -> StreamUnits:
@@ -263,13 +270,13 @@ class QwenOmniLayout(StreamAdapter):
         if rows is not None:
             t0 = time.perf_counter()
             slots = np.nonzero(input_ids == ids_["<|VIDEO|>"])[0]
-            embeds = self._scatter(embeds, slots, self._vision_features(rows, grid))
+            embeds = self.embedder.scatter(embeds, slots, self.embedder.vision_features(rows, grid))
             extras["vision_tokens"] = int(slots.size)
             extras["vision_s"] = time.perf_counter() - t0
         if mel is not None:
             t0 = time.perf_counter()
             slots = np.nonzero(input_ids == ids_["<|AUDIO|>"])[0]
-            embeds = self._scatter(embeds, slots, self._audio_features(mel))
+            embeds = self.embedder.scatter(embeds, slots, self.embedder.audio_features(mel))
             extras["audio_tokens"] = int(slots.size)
             extras["audio_s"] = time.perf_counter() - t0
         spans = spans_from_runs([(k, 1) for k in kinds])
