@@ -328,23 +328,10 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from .speech import bar_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = [(label, key, higher) for label, key, higher in ROWS
-            if key in ("tts_tokens_per_s", "t2w_stream_rtf", "t2w_offline_rtf", "time_to_first_audio_s")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2))
-    for ax, (label, key, higher) in zip(axes, keys):
-        names = ["MLX"] + (["PyTorch"] if "torch" in result else [])
-        vals = [result["mlx"][key]] + ([result["torch"][key]] if "torch" in result else [])
-        ax.bar(names, vals, color=["#2a7", "#c55"][:len(vals)])
-        ax.set_title(label + (" (higher is better)" if higher else " (lower is better)"), fontsize=8)
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:g}", ha="center", va="bottom", fontsize=8)
     c, v = result["config"], result["versions"]
-    fig.suptitle(f"MiniCPM-o 4.5 speech, shape-true random weights (TTS {c['tts_layers']} layers, token2wav "
-                 f"{c['size']}, {c['t2w_tokens']} audio tokens); {v.get('cpu', '')}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    shown = ("tts_tokens_per_s", "t2w_stream_rtf", "t2w_offline_rtf", "time_to_first_audio_s")
+    keys = [r for r in ROWS if r[1] in shown]
+    bar_plot(result, keys, f"MiniCPM-o 4.5 speech, shape-true random weights (TTS {c['tts_layers']} layers, token2wav "
+             f"{c['size']}, {c['t2w_tokens']} audio tokens); {v.get('cpu', '')}", path)
