@@ -272,28 +272,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def bar_plot(result: dict, rows: list[tuple[str, str, bool]], title: str, path: str) -> None:
-    """One bar chart per measure (MLX, and PyTorch where it ran): the speech benches' figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2))
-    for ax, (label, key, higher) in zip(axes, rows):
-        names = ["MLX"] + (["PyTorch"] if "torch" in result else [])
-        vals = [result["mlx"][key]] + ([result["torch"][key]] if "torch" in result else [])
-        ax.bar(names, vals, color=["#2a7", "#c55"][:len(vals)])
-        ax.set_title(label + (" (higher is better)" if higher else " (lower is better)"), fontsize=8)
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:g}", ha="center", va="bottom", fontsize=8)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def plot(result: dict, path: str) -> None:
+    from .report import bar_plot
+
     c, v = result["config"], result["versions"]
     bar_plot(result, [r for r in ROWS if r[1] != "talker_prefill_s"],
              f"speech, shape-true random weights (talker {c['talker_layers']} layers, thinker width "

@@ -328,7 +328,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    from .speech import bar_plot
+    from .report import bar_plot
 
     c, v = result["config"], result["versions"]
     shown = ("tts_tokens_per_s", "t2w_stream_rtf", "t2w_offline_rtf", "time_to_first_audio_s")
