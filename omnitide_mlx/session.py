@@ -152,7 +152,8 @@ class OmniSession(StreamingSession):
     def ask(self, question: str, *, speak: bool = False, speaker: str | None = None, speech=None, **kwargs):
         """The engine's ``ask`` (text pieces); with ``speak=True`` the iterator also yields
         :class:`~omnitide_mlx.speech.AudioChunk` objects as the spoken reply is ready (``speaker``: a voice of the
-        checkpoint, default Chelsie; ``speech``: :class:`~omnitide_mlx.speech.SpeechOptions`). A checkpoint
+        checkpoint, default Chelsie; ``speech``: :class:`~omnitide_mlx.speech.SpeechOptions`; ``seed`` seeds the
+        speech where those options leave its seeds unset). A checkpoint
         without a talker raises ``SpeechUnavailable`` and an unknown speaker ``ValueError``, before anything runs."""
         if not speak:
             return super().ask(question, **kwargs)
@@ -162,6 +163,12 @@ class OmniSession(StreamingSession):
 
         options = replace(speech or SpeechOptions(), speaker=speaker if speaker is not None else
                           (speech.speaker if speech else None))
+        seed = kwargs.get("seed")
+        if seed is not None:  # the ask's seed reproduces the spoken reply too, unless the speech options set theirs
+            if options.seed is None:
+                options = replace(options, seed=seed)
+            if options.sampling.seed is None:
+                options = replace(options, sampling=replace(options.sampling, seed=seed))
         model = speech_for(self)
         model.voice(options.speaker)  # an unknown speaker fails here, not mid-reply
         text_ask = super().ask

@@ -135,9 +135,11 @@ class CodecSampling:
     seed: int | None = None
 
 
-def choose_code(logits: mx.array, seen: np.ndarray, sampling: CodecSampling, suppress: int) -> int:
+def choose_code(logits: mx.array, seen: np.ndarray, sampling: CodecSampling, suppress: int,
+                key: mx.array | None = None) -> int:
     """One code from ``logits`` ``[vocab]`` (float32), processed as transformers' logits processors do: the
-    repetition penalty on every id in ``seen``, ``suppress`` masked, then temperature, top-k and top-p."""
+    repetition penalty on every id in ``seen``, ``suppress`` masked, then temperature, top-k and top-p. ``key``:
+    the draw's PRNG key (None: MLX's global generator)."""
     lg = np.array(logits, dtype=np.float32, copy=True)
     p = sampling.repetition_penalty
     if p and p != 1.0 and seen.size:
@@ -160,7 +162,7 @@ def choose_code(logits: mx.array, seen: np.ndarray, sampling: CodecSampling, sup
     lg[order[drop]] = -np.inf
     probs = np.exp(lg - lg.max())
     probs /= probs.sum()
-    return int(mx.random.categorical(mx.log(mx.array(probs))).item())
+    return int(mx.random.categorical(mx.log(mx.array(probs)), key=key).item())
 
 
 class TalkerStream:
@@ -196,11 +198,15 @@ class TalkerStream:
         self._eos_fed = False
         self._next_pos = int(self.positions.max()) + 1 if n else 0
         self._last: int | None = None
-        if self.sampling.seed is not None:
-            mx.random.seed(self.sampling.seed)
+        # a seeded reply draws from its own key: the thinker's sampler and other sessions' threads share MLX's
+        # global generator, so seeding that would not make the codes reproducible
+        self._key = mx.random.key(self.sampling.seed) if self.sampling.seed is not None else None
 
     def _choose(self, logits: mx.array) -> int | None:
-        code = choose_code(logits, np.asarray(self.seen), self.sampling, self.c.tts_codec_start_token_id)
+        key = None
+        if self._key is not None:
+            self._key, key = mx.random.split(self._key)
+        code = choose_code(logits, np.asarray(self.seen), self.sampling, self.c.tts_codec_start_token_id, key)
         self.seen.append(code)
         if code in self.c.stop_codes:
             self.done = True
