@@ -110,7 +110,9 @@ def test_query_blocks_bound_the_score_memory(monkeypatch):
     bias_bytes = (hq // hkv) * t * capacity * 4  # every block's additive mask, (g x tb) x keys float32
     assert plan_cache < 1.25 * bias_bytes, (plan_cache, bias_bytes)
     all_scores = t * hq * capacity * 4  # 64 MB
-    assert transient < all_scores / 8, (transient, all_scores)
+    # ordered: 10 MB here (the CPU softmax holds about 6 score-sized intermediates per 1 MB block,
+    # kernels/cpu_softmax.py); unordered, the same blocks peak at 34 MB
+    assert transient < all_scores / 4, (transient, all_scores)
     ref, _ = oracle_attention(np.array(q), np.array(k), np.array(v), seq, qs, tiles, 64, 0.2)
     np.testing.assert_allclose(np.array(out), ref, atol=1e-5, rtol=1e-5)
 
