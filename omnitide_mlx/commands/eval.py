@@ -118,6 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--qa", action="store_true",
                    help="recall: push a user question and the model's reply before each shortest-delay probe")
     s.add_argument("--tokens", type=positive_int, default=20_000, help="perplexity: tokens streamed per setting (20000)")
+    s.add_argument("--jobs", type=positive_int, default=1,
+                   help="perplexity: settings streamed at once, each in a worker process with one BLAS thread "
+                        "(default 1; 2 on a 2-core machine)")
     s.add_argument("--checkpoints", default="1,50,100,150,200",
                    help="drift: compare with the recompute after this many evictions (comma-separated)")
     s.add_argument("--facts", type=positive_int, default=10, help="facts per episode (default 10)")
@@ -206,6 +209,9 @@ def _run_study(args) -> int:
 
     if args.experiment != "recall":
         return _run_text_experiment(args)
+    if args.jobs != 1:
+        print("omnitide eval study: --jobs goes with --experiment perplexity", file=sys.stderr)
+        return 2
     try:
         path = Path(args.gguf).expanduser() if args.gguf else smollm2_path()
         settings = _settings(args, ["512/368", "256/184"])
@@ -245,9 +251,12 @@ def _run_text_experiment(args) -> int:
             config = px.PerplexityConfig(model=path, tokens=args.tokens,
                                          marks=tuple(marks) if marks else px.DEFAULT_MARKS, **_kv_config(args))
             config.kv()
-            px.run_perplexity(config, px.perplexity_settings(config.marks), out, overwrite=args.overwrite, log=log)
+            px.run_perplexity(config, px.perplexity_settings(config.marks), out, overwrite=args.overwrite, log=log,
+                              jobs=args.jobs)
             print((out / "table.md").read_text(encoding="utf-8"))
             return 0
+        if args.jobs != 1:
+            raise ValueError("--jobs goes with --experiment perplexity")
         if args.kv_bits is not None or args.kv_keep_sinks_full:
             raise ValueError("--experiment drift compares float16 with float32 KV; --kv-bits goes with recall and "
                              "perplexity (the quantised drift bound is tests/cache/test_cache_drift.py)")

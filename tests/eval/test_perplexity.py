@@ -133,6 +133,15 @@ def test_perplexity_and_drift_commands_end_to_end(tiny_path, tmp_path):
     assert res["token+positions=keep@500-360"]["max_position"] > res["token@500-360"]["max_position"]
     assert all(r["tokens"] >= 1500 for k, r in res.items() if k != "full")
     assert "| b | token sliding | 500/360 | keep |" in (tmp_path / "a" / "table.md").read_text()
+    # two worker processes (one BLAS thread each): the same streams, up to float rounding
+    assert main(args + ["--out", str(tmp_path / "j"), "--jobs", "2"]) == 0
+    j = json.loads((tmp_path / "j" / "results.json").read_text())["results"]
+    assert list(j) == list(res)
+    for key, r in res.items():
+        assert {k: v for k, v in j[key].items() if not isinstance(v, float)} == \
+               {k: v for k, v in r.items() if not isinstance(v, float)}, key
+        assert j[key]["nll"] == pytest.approx(r["nll"], rel=1e-5), key
+    assert main(["eval", "study", "--gguf", str(tiny_path), "--jobs", "2", "--out", str(tmp_path / "d")]) == 2
     assert main(["eval", "study", "--experiment", "perplexity", "--gguf", str(tiny_path), "--policy", "h2o",
                  "--out", str(tmp_path / "c")]) == 1
 
