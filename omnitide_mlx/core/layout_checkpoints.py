@@ -60,7 +60,8 @@ def record_checkpoints(sim: Simulator, histories: list[int], layouts: Sequence[s
     simulator's) at each; every layout's planner is replaced by a :class:`RecordingPlanner` of the same mode."""
     names = list(sim.layouts) if layouts is None else list(layouts)
     for lt in sim.layouts.values():
-        lt.planner = RecordingPlanner(lt.planner.mode, min_gain_pages=lt.planner.min_gain_pages)
+        lt.planner = RecordingPlanner(lt.planner.mode, min_gain_pages=lt.planner.min_gain_pages,
+                                      tail_fill=lt.planner.tail_fill)
     todo = sorted(histories)
     out: list[Checkpoint] = []
     for event in sim.stream.events():

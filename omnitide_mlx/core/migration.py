@@ -54,7 +54,11 @@ class MigrationPlanner:
       full, scanned in physical order from the end (two-finger compaction); each goes to the lowest free slot
       before it in a page that is empty or holds only its class. Moves whose source subblock would not end empty are pruned (they cannot make any
       tile skippable) and the rest re-planned. Pages left full of candidate entries are promoted to
-      SELECTED_HISTORY. Accepted iff active pages or active subblocks decrease.
+      SELECTED_HISTORY. Accepted iff active pages or active subblocks decrease. With ``tail_fill`` (our
+      extension, docs/simulator.md) the plan then also empties the last pages into free slots below them, every
+      entry of any class going to a page that holds only its class (or an empty one), when that shortens the
+      span by at least ``min_gain_pages``; accepted then too (the paper's "or shorten the physical span by at
+      least a configured amount").
     - ``"ordered_suffix"``: scanning back from the last entry, the shortest suffix (in physical order) whose
       order-preserving packing right after the preceding entry shrinks the page-rounded span by at least
       ``min_gain_pages``; moves entries of any class. Accepted iff such a suffix exists.
@@ -65,6 +69,7 @@ class MigrationPlanner:
     mode: str = "class_aware"
     min_gain_pages: int = 1
     promote: bool = True
+    tail_fill: bool = False  # class_aware: also move the last pages' entries down when that shortens the span
     max_rounds: int = 64  # class-aware prune/re-plan rounds (each round drops at least one candidate)
     _empty: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
 
@@ -88,12 +93,17 @@ class MigrationPlanner:
             promote = ()
         else:
             src, dst, promote = self._class_aware(table)
+            if self.tail_fill:
+                src, dst = _with_tail_fill(table, occ, src, dst, self.min_gain_pages)
         after = _stats_after(occ, src, dst, table.page_size, table.subblock_size)
         if src.size == 0:
             return MigrationPlan(self.mode, src, dst, before, after, False, (), "no move improves the layout")
         if self.mode == "class_aware":
-            ok = after.active_pages < before.active_pages or after.active_subblocks < before.active_subblocks
-            reason = ("frees tiles" if ok else "moves would leave as many active pages and subblocks")
+            tiles = after.active_pages < before.active_pages or after.active_subblocks < before.active_subblocks
+            span = before.physical_span - after.physical_span >= self.min_gain_pages * table.page_size
+            ok = tiles or (self.tail_fill and span)
+            reason = ("frees tiles" if tiles else "shortens the span" if ok
+                      else "moves would leave as many active pages and subblocks")
         elif self.mode == "ordered_suffix":
             ok = before.physical_span - after.physical_span >= self.min_gain_pages * table.page_size
             reason = "shortens the span" if ok else "gain below threshold"
@@ -185,6 +195,87 @@ def _pack_into_earlier(table: PageTable, cand: np.ndarray, free: np.ndarray) -> 
         dst.append(f)
         cursor[k] = i + 1
     return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+
+
+def _with_tail_fill(table: PageTable, occ: np.ndarray, src: np.ndarray, dst: np.ndarray, min_gain_pages: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The class-aware moves ``src -> dst`` followed by a tail fill planned on the layout they leave: the entries
+    of the last pages go down into free slots, the fewest pages such that the span shrinks by at least
+    ``min_gain_pages``, as many as fit. An entry both parts move goes straight to its last slot.
+
+    Every move, class-aware or fill, goes to a lower slot, so listing the moves by source, ascending, lists the
+    move that reads a slot before any move that writes it (check_move_order's contract)."""
+    klass = table.alloc_class.astype(np.int64)
+    occ_a = occ.copy()
+    klass_a = np.where(occ, klass, FREE)
+    if src.size:
+        moved = klass_a[src]
+        occ_a[src], klass_a[src] = False, FREE
+        occ_a[dst], klass_a[dst] = True, moved
+    fill_src, fill_dst = _tail_fill_moves(occ_a, klass_a, ~occ_a, table.page_size, min_gain_pages)
+    if fill_src.size == 0:
+        return src, dst
+    final = dict(zip(src.tolist(), dst.tolist()))  # original slot -> slot it ends in
+    came_from = dict(zip(dst.tolist(), src.tolist()))
+    for a, b in zip(fill_src.tolist(), fill_dst.tolist()):
+        final[came_from.get(a, a)] = b
+    out_src = np.fromiter(final.keys(), dtype=np.int64, count=len(final))
+    out_dst = np.fromiter(final.values(), dtype=np.int64, count=len(final))
+    order = np.argsort(out_src, kind="stable")
+    return out_src[order], out_dst[order]
+
+
+def _tail_fill_moves(occ: np.ndarray, klass: np.ndarray, usable: np.ndarray, page_size: int, min_gain_pages: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Moves that empty pages ``k .. span - 1`` into ``usable`` slots of pages below ``k``, for the lowest ``k``
+    that fits and gains at least ``min_gain_pages``. An entry of class ``c`` goes first to the free slots of pages
+    holding only class ``c``, then to whole empty pages (lowest first), so the pages keep one class each and
+    already-active pages are filled before new ones open."""
+    P = page_size
+    empty = np.zeros(0, dtype=np.int64)
+    n_pages = occ.size // P
+    if n_pages == 0:
+        return empty, empty
+    page_cls = np.where(occ, klass, NUM_CLASSES).reshape(n_pages, P)
+    counts = np.stack([(page_cls == c).sum(axis=1) for c in range(NUM_CLASSES)], axis=1)  # [pages, classes]
+    total = counts.sum(axis=1)
+    active = np.flatnonzero(total)
+    if active.size == 0:
+        return empty, empty
+    span = int(active[-1]) + 1
+    free_pp = usable.reshape(n_pages, P).sum(axis=1)
+    only = np.where(total > 0, np.argmax(counts, axis=1), -1)
+    only[(total > 0) & (counts.max(axis=1) != total)] = -2  # mixed pages take no moved entry
+    # for a cut k: entries of class c at pages >= k (up to the span) against what pages < k offer
+    need = np.cumsum(counts[:span][::-1], axis=0)[::-1]  # need[k, c] = class-c entries in pages k .. span-1
+    room = np.zeros((span + 1, NUM_CLASSES), dtype=np.int64)  # room[k, c]: free slots of c-only pages below k
+    for c in range(NUM_CLASSES):
+        room[1:, c] = np.cumsum(np.where(only[:span] == c, free_pp[:span], 0))
+    whole = np.concatenate([[0], np.cumsum((total[:span] == 0) & (free_pp[:span] == P))])  # empty pages below k
+    over = np.maximum(need - room[:span], 0)
+    pages_needed = (-(-over // P)).sum(axis=1)
+    fits = np.flatnonzero(pages_needed <= whole[:span])
+    fits = fits[(span - fits >= min_gain_pages) & (fits > 0)]
+    if fits.size == 0:
+        return empty, empty
+    k = int(fits[0])
+    slots = np.arange(occ.size).reshape(n_pages, P)
+    src_all = np.flatnonzero(occ[k * P:span * P]) + k * P
+    spare = [int(p) for p in np.flatnonzero((total[:k] == 0) & (free_pp[:k] == P))]
+    src: list[np.ndarray] = []
+    dst: list[np.ndarray] = []
+    for c in range(NUM_CLASSES):
+        mine = src_all[klass[src_all] == c]
+        if mine.size == 0:
+            continue
+        pages = np.flatnonzero(only[:k] == c)
+        holes = slots[pages][usable.reshape(n_pages, P)[pages]] if pages.size else empty
+        extra = -(-max(0, mine.size - holes.size) // P)
+        taken, spare = spare[:extra], spare[extra:]
+        target = np.concatenate([holes, *(slots[p] for p in taken)])[:mine.size]
+        src.append(mine)
+        dst.append(target)
+    return np.concatenate(src), np.concatenate(dst)
 
 
 def _eager_moves(occ: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

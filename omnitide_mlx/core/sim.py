@@ -106,7 +106,7 @@ class LayoutTrace:
         steady = {"updates": len(self.steady.get("physical_span", [])),
                   "mean": {k: round(float(np.mean(v)), 2) for k, v in self.steady.items()},
                   "p95": {k: float(np.percentile(v, 95)) for k, v in self.steady.items()}}
-        return {"placement": self.table.placement, "migration": self.planner.mode,
+        return {"placement": self.table.placement, "migration": self.planner.mode, "tail_fill": self.planner.tail_fill,
                 "final": dict(self.final), "peak": peak, "mean": mean, "after_first_trim": steady,
                 "moved_cells_total": self.moved_entries_total,
                 "moved_bytes_total": self.moved_entries_total * b, "migrations": self.migrations,
@@ -118,7 +118,8 @@ class Simulator:
 
     def __init__(self, profile: ModelProfile | str, policy: RetentionPolicy | str, stream: StreamSpec,
                  layouts: Sequence[str] = LAYOUT_NAMES, migration: str = "class_aware",
-                 page_size: int = 64, subblock_size: int = 32, min_gain_pages: int = 1, check: bool = False):
+                 page_size: int = 64, subblock_size: int = 32, min_gain_pages: int = 1, check: bool = False,
+                 tail_fill: bool | None = None):
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         self.profile.stream_units  # noqa: B018  (a profile without its unit layout fails here, with the fix)
         self.policy = make_policy(policy, profile=self.profile) if isinstance(policy, str) else policy
@@ -128,7 +129,8 @@ class Simulator:
         self.layouts: dict[str, LayoutTrace] = {}
         for name in layouts:
             try:
-                table, planner = layout_spec(name, migration, min_gain_pages).build(page_size, subblock_size)
+                table, planner = layout_spec(name, migration, min_gain_pages, tail_fill).build(page_size,
+                                                                                              subblock_size)
             except LayoutError as e:
                 raise SimError(str(e)) from None
             self.layouts[name] = LayoutTrace(name, table, planner, self.profile.kv_bytes_per_token)
@@ -246,12 +248,12 @@ def simulate(profile: ModelProfile | str, policy: RetentionPolicy | str = "omnit
              *, question_every: int = 30, seed: int = 0, layouts: Sequence[str] = LAYOUT_NAMES,
              migration: str = "class_aware", page_size: int = 64, subblock_size: int = 32,
              min_gain_pages: int = 1, progress: bool = False, series_every: int = 1,
-             check: bool = False, **policy_kw: Any) -> dict:
+             check: bool = False, tail_fill: bool | None = None, **policy_kw: Any) -> dict:
     """Run a stream and return the JSON-able result (see ``omnitide simulate``)."""
     prof = get_profile(profile) if isinstance(profile, str) else profile
     pol = make_policy(policy, profile=prof, **policy_kw) if isinstance(policy, str) else policy
     sim = Simulator(prof, pol, StreamSpec(seconds, question_every=question_every, seed=seed), layouts,
-                    migration, page_size, subblock_size, min_gain_pages, check)
+                    migration, page_size, subblock_size, min_gain_pages, check, tail_fill)
     return sim.run(progress=progress, series_every=series_every).to_json()
 
 
@@ -268,7 +270,8 @@ class LayoutSnapshot:
 
 def snapshot_at(profile: ModelProfile | str, policy: RetentionPolicy | str, layout: str, tokens: int, *,
                 question_every: int = 30, seed: int = 0, migration: str = "class_aware", page_size: int = 64,
-                subblock_size: int = 32, min_gain_pages: int = 1, **policy_kw: Any) -> LayoutSnapshot:
+                subblock_size: int = 32, min_gain_pages: int = 1, tail_fill: bool | None = None,
+                **policy_kw: Any) -> LayoutSnapshot:
     """Stream until the no-slide history would hold ``tokens`` tokens (paper 7.1's no-slide checkpoints),
     finishing that update (prefill, trim, migration), and return the layout then."""
     prof = get_profile(profile) if isinstance(profile, str) else profile
@@ -278,7 +281,7 @@ def snapshot_at(profile: ModelProfile | str, policy: RetentionPolicy | str, layo
     # enough seconds to get there, whatever the question rate
     seconds = int(tokens // prof.media_unit_tokens) + 2
     sim = Simulator(prof, pol, StreamSpec(seconds, question_every=question_every, seed=seed), (layout,),
-                    migration, page_size, subblock_size, min_gain_pages)
+                    migration, page_size, subblock_size, min_gain_pages, tail_fill=tail_fill)
     sim.run(series_every=0, until_tokens=tokens)
     if sim.full_context_tokens < tokens:  # pragma: no cover - seconds above always suffice
         raise SimError(f"stream ended at {sim.full_context_tokens} tokens before the {tokens} checkpoint")

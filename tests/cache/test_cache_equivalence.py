@@ -33,11 +33,17 @@ def test_token_sliding_cuts_units_and_still_matches():
 
 
 def test_chunked_prefill_and_omnipage_migration_match():
-    """Units prefilled in 9-token chunks (a unit spans steps) on the OmniPage layout with migrations."""
-    s = Stream(make_cache(placement="class_aware"), q_heads=4, seed=3, planner=MigrationPlanner("class_aware"))
-    run_session(s, OmniPick(high=200, low=140), units=16, chunk=9)
-    assert s.migrations >= 1
-    assert _max_err(s) < TOL
+    """Units prefilled in 9-token chunks (a unit spans steps) on the OmniPage layout with migrations; with tail
+    fill, whole recent units move down into the holes below them as well."""
+    moved = {}
+    for tail_fill in (False, True):
+        planner = MigrationPlanner("class_aware", tail_fill=tail_fill)
+        s = Stream(make_cache(placement="class_aware"), q_heads=4, seed=3, planner=planner)
+        run_session(s, OmniPick(high=200, low=140), units=16, chunk=9)
+        assert s.migrations >= 1
+        assert _max_err(s) < TOL, tail_fill
+        moved[tail_fill] = s.cache.moved_rows
+    assert moved[True] > moved[False]
 
 
 def test_mrope_uniform_shift_is_exact():

@@ -18,7 +18,13 @@ from omnitide_mlx.core.page import (
     check_move_order,
 )
 
-MODES = ("native", "class_aware", "ordered_suffix", "eager")
+MODES = ("native", "class_aware", "ordered_suffix", "eager", "tail_fill")  # tail_fill: class_aware with it
+
+
+def _planner(mode: str, gain: int = 1) -> MigrationPlanner:
+    if mode == "tail_fill":
+        return MigrationPlanner("class_aware", min_gain_pages=gain, tail_fill=True)
+    return MigrationPlanner(mode, min_gain_pages=gain)
 
 
 def _execute_sequential(payload: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -116,7 +122,7 @@ def test_random_workload_keeps_accounting_and_migration_contract(ops, placement,
             _trim(t, op[1], op[2])
         else:
             _, mode, gain = op
-            plan = MigrationPlanner(mode, min_gain_pages=gain).plan(t)
+            plan = _planner(mode, gain).plan(t)
             assert plan.before == t.stats()
             if plan.src.size:
                 check_move_order(plan.src, plan.dst, t.occupancy())
@@ -134,6 +140,11 @@ def test_random_workload_keeps_accounting_and_migration_contract(ops, placement,
             if mode == "class_aware":
                 assert a.active_pages < b.active_pages or a.active_subblocks < b.active_subblocks
                 assert (plan.dst < plan.src).all()
+            elif mode == "tail_fill":
+                assert (a.active_pages < b.active_pages or a.active_subblocks < b.active_subblocks
+                        or b.physical_span - a.physical_span >= gain * page)
+                assert (plan.dst < plan.src).all()
+
             elif mode == "ordered_suffix":
                 assert b.physical_span - a.physical_span >= gain * page
             elif mode == "eager":
@@ -151,7 +162,7 @@ def test_random_workload_keeps_accounting_and_migration_contract(ops, placement,
                 sl = slice(p * page, (p + 1) * page)
                 assert (t.alloc_class[sl] == AllocClass.SELECTED_HISTORY).all()
         _check_accounting(t)
-        if placement == "class_aware" and all(o[0] != "migrate" or o[1] in ("class_aware", "native")
+        if placement == "class_aware" and all(o[0] != "migrate" or o[1] in ("class_aware", "native", "tail_fill")
                                               for o in ops):
             # OmniPage placement never mixes classes in a page
             counts = t.page_class_counts()
@@ -223,6 +234,31 @@ def test_class_aware_rejects_moves_that_free_no_tile():
     # page 0 has 3 holes, page 1 has 7 entries: no tile can be emptied, so nothing moves
     mp2 = MigrationPlanner("class_aware").plan(t2)
     assert not mp2.accepted and mp2.moved == 0
+
+
+def test_tail_fill_moves_the_newest_unit_into_the_hole_below_it():
+    """Units of 16, 16 and 14 entries in pages 0-5; the middle one is trimmed to a 2-entry sink. Class-aware
+    packing alone moves nothing (no free slot lies before the sink), tail fill moves the last unit down into the
+    hole (the sink page's 6 free slots first, then the empty page): the span shrinks from 6 pages to 4, every
+    page still holds one class."""
+    t = PageTable(8, 4)
+    for uid, n in ((1, 16), (2, 16), (3, 14)):
+        t.allocate(n, uid)
+    t.apply_retention(SimpleNamespace(units=[SimpleNamespace(uid=2, length=16, dropped=False, deleted=((2, 16),))]))
+    assert t.stats().physical_span == 48 and t.stats().active_pages == 5
+    assert not MigrationPlanner("class_aware").plan(t).accepted
+    mp = MigrationPlanner("class_aware", tail_fill=True).plan(t)
+    assert mp.accepted and mp.reason == "frees tiles"  # and shortens the span
+    assert mp.after.physical_span == 32 and mp.after.active_pages == 4
+    assert mp.src.tolist() == list(range(32, 46)) and mp.dst.tolist() == list(range(18, 32))
+    assert not MigrationPlanner("class_aware", tail_fill=True, min_gain_pages=3).plan(t).accepted  # gains 2
+    seqs = t.seq[t.slots_of_unit(3)].tolist()
+    t.apply_migration(mp)
+    assert t.seq[t.slots_of_unit(3)].tolist() == seqs
+    counts = t.page_class_counts()
+    assert ((counts > 0).sum(axis=1) <= 1).all()
+    # packed now: nothing left to gain
+    assert not MigrationPlanner("class_aware", tail_fill=True).plan(t).accepted
 
 
 def test_ordered_suffix_takes_the_shortest_suffix_that_meets_the_threshold():
