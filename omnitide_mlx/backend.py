@@ -45,9 +45,9 @@ class Backend(Protocol):
         """The name ``dtype_from_name`` reads back."""
 
     # --- cache ---------------------------------------------------------------------------------------------
-    def layout(self, name: str, page_size: int, subblock_size: int) -> tuple[Any, Any]:
-        """``(PageTable, MigrationPlanner)`` of a policy's layout (``native`` / ``omnipage`` / ``eager``): the
-        table's placement is what ``make_cache`` gets; the planner migrates after each retention step."""
+    def layout_spec(self, name: str) -> Any:
+        """The ``core.layout.LayoutSpec`` a policy's layout name (``native`` / ``omnipage`` / ``eager``) means on
+        this backend (the torch backend picks OmniPage's migration mode for its kernels)."""
 
     def kv_bytes_per_token(self, spec, dtype, kv_quant: dict) -> int:
         """KV bytes one token costs in a cache ``make_cache`` would build (a KV budget divides by this)."""

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .backend import Backend
+from .core.layout import LayoutSpec
 from .core.page import AllocClass
 from .core.pick import RetentionPolicy
 from .core.retention_plan import plan_from_mask
@@ -95,10 +96,12 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
                  on_update: Callable[[UpdateRecord], None] | None = None, media: MediaSetting | None = None,
                  kv_bits: int | None = None, kv_group_size: int = 64, kv_keep_sinks_full: bool = False,
-                 _saved: _Saved | None = None):
+                 layout: LayoutSpec | str | None = None, _saved: _Saved | None = None):
         """``media``: the media setting (frame size, ``max_pixels`` / ``max_slice_nums``; ``get_preset("paper")``)
         the adapter lays units out at (default: the official long-video processing). A named policy with no
         ``high`` / ``low`` / ``kv_budget`` gets the model's own watermarks (core/profiles.py, paper figure 14).
+        ``layout``: the KV layout (a frozen ``core.layout.LayoutSpec``, or a layout name), default the policy's
+        (``omnitide``: OmniPage, ``omnipick``: native, ``eager``), as the backend builds it.
         ``_saved`` (from ``restore``): the saved session to continue; its settings replace the arguments."""
         self.backend = backend
         if _saved is None:  # everything that can be checked without the model is checked before it loads
@@ -106,6 +109,7 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
             budget = _check_budget_args(policy, high, low, kv_budget)
             if budget is None:
                 self.policy = policy_from(policy, high, low)
+            self.layout = _layout_from(layout, backend, (self.policy if budget is None else policy_from(policy)).layout)
         else:
             media = _saved.media()
         self.model_path = _saved.meta.get("model_path") if _saved is not None else None
@@ -139,7 +143,7 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
                 else:
                     self.policy = policy_from(policy, bh, bl)
             self.system_prompt = system_prompt
-            table, self.planner = backend.layout(self.policy.layout, page_size, subblock_size)
+            table, self.planner = self.layout.build(page_size, subblock_size)
             self.cache = backend.make_cache(model, spec, dtype=self.kv_dtype, placement=table.placement,
                                             page_size=page_size, subblock_size=subblock_size,
                                             collect_scores=self.policy.needs_scores, kv_quant=self.kv_quant)
@@ -362,7 +366,8 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
             return {
                 "backend": self.backend.name,
                 "policy": self.policy.name,
-                "layout": self.policy.layout,
+                "layout": self.layout.name,
+                "layout_spec": self.layout.to_json(),
                 "high": self.policy.high,
                 "low": self.policy.low,
                 "profile": self.profile.name if self.profile is not None else None,
@@ -411,4 +416,14 @@ def _caller_level() -> int:
         frame, level = frame.f_back, level + 1
     return level
 
+
+def _layout_from(layout, backend: Backend, policy_layout: str) -> LayoutSpec:
+    """The session's layout: a spec as given, a name as the backend builds it, or the policy's layout."""
+    if isinstance(layout, LayoutSpec):
+        return LayoutSpec.from_json(layout.to_json())  # LayoutError for a spec no layout has
+    if layout is None:
+        return backend.layout_spec(policy_layout)
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a LayoutSpec or a layout name, got {type(layout).__name__}")
+    return backend.layout_spec(layout)
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import OmniCache
-from .core.layout import make_layout
+from .core.layout import layout_spec
 from .engine import (  # noqa: F401  (re-exported for users of the session API)
     Sampling,
     SessionCounters,
@@ -77,8 +77,8 @@ class MlxBackend:
     def dtype_name(self, dtype) -> str:
         return str(dtype).split(".")[-1]
 
-    def layout(self, name: str, page_size: int, subblock_size: int):
-        return make_layout(name, page_size, subblock_size)
+    def layout_spec(self, name: str):
+        return layout_spec(name)
 
     def kv_bytes_per_token(self, spec, dtype, kv_quant: dict) -> int:
         if not kv_quant:

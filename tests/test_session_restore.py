@@ -142,3 +142,34 @@ def test_a_restored_session_keeps_its_media_setting_and_reports_stats(models, ch
     r.push(frame=chunks[1][0], audio=chunks[1][1], t=1)
     s.push(frame=chunks[1][0], audio=chunks[1][1], t=1)
     assert r.stats()["retained_cells"] == s.stats()["retained_cells"]
+
+
+def test_the_session_takes_a_layout_spec_and_restores_it(models, chunks, tmp_path):
+    """A frozen LayoutSpec (or a layout name) chooses the KV layout apart from the policy; stats() reports it and a
+    saved session comes back with it. A layout no spec can be is refused before anything is built."""
+    from omnitide_mlx.core.layout import LayoutSpec, layout_spec
+    from omnitide_mlx.core.page import LayoutError
+
+    paper = layout_spec("omnipage", tail_fill=False)  # OmniPage as the paper words it
+    s = OmniSession(models["qwen"], policy="omnitide", high=300, low=200, layout=paper)
+    assert s.layout == paper and s.planner.tail_fill is False
+    for frame, audio, t in chunks:
+        s.push(frame=frame, audio=audio, t=t)
+    assert s.stats()["layout_spec"] == paper.to_json()
+    r = OmniSession.restore(s.save(tmp_path / "sess"), model=models["qwen"])
+    assert r.layout == paper and r.planner.tail_fill is False
+    assert OmniSession(models["qwen"], policy="omnitide", high=300, low=200).planner.tail_fill is True
+    eager = OmniSession(models["qwen"], policy="omnipick", high=300, low=200, layout="eager")
+    assert eager.stats()["layout"] == "eager" and eager.stats()["policy"] == "omnipick"
+    bad = LayoutSpec("omnipage", "first_fit", "ordered_suffix", tail_fill=True)
+    with pytest.raises(LayoutError, match="not a layout"):
+        OmniSession("/nonexistent/model", layout=bad)
+    with pytest.raises(LayoutError, match="unknown layout"):
+        OmniSession("/nonexistent/model", layout="compact")
+    # a save from before the layout was recorded restores with the policy's layout
+    d = tmp_path / "old"
+    d.mkdir()
+    for f in (tmp_path / "sess").iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    _edit(d, drop="layout")
+    assert OmniSession.restore(d, model=models["qwen"]).layout == layout_spec("omnipage")

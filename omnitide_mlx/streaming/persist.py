@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..core.layout import LayoutSpec
 from ..core.pick import make_policy
 from ..core.stream_units import MediaSetting
 from ..core.units import History
@@ -155,6 +156,7 @@ class Persistence:
             "system_prompt": self.system_prompt,
             "media": self.media.to_json() if self.media is not None else None,
             "policy": self.policy.config(),
+            "layout": self.layout.to_json(),
             "kv_budget": self.kv_budget,
             "kv_dtype": self.backend.dtype_name(self.kv_dtype),
             "history": self.history.to_json(),
@@ -214,6 +216,9 @@ class Persistence:
             self.kv_dtype = self.backend.dtype_from_name(meta["kv_dtype"])
             cfg = dict(meta["policy"])
             self.policy = make_policy(cfg.pop("name"), **cfg)
+            # sessions saved before the layout was recorded: the policy's layout as this backend builds it
+            self.layout = (LayoutSpec.from_json(meta["layout"]) if meta.get("layout") is not None
+                           else self.backend.layout_spec(self.policy.layout))
             self.history = History.from_json(meta["history"])
             self.counters = SessionCounters(**meta["counters"])
             self.records = [UpdateRecord(**r) for r in meta.get("records", [])]
@@ -242,7 +247,10 @@ class Persistence:
                                           "keep_sinks_full": q["keep_sinks_full"]}
         self.kv_budget = meta.get("kv_budget")
         table = self.cache.page_table
-        _, self.planner = self.backend.layout(self.policy.layout, table.page_size, table.subblock_size)
+        if table.placement != self.layout.placement:
+            raise RestoreError(f"{kv_file} was written with {table.placement} placement, the saved layout places "
+                               f"{self.layout.placement} (files from different saves?)")
+        self.planner = self.layout.planner()
 
     def _load_saved_stream(self, saved: _Saved) -> None:
         """The saved buffered input, last logits and adapter state (``__init__`` of a restored session)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.layout import OMNIPAGE_MIGRATIONS, make_layout
+from ..core.layout import OMNIPAGE_MIGRATIONS, layout_spec
 from ..engine import Sampling, StreamingSession
 from .cache import OmniTorchCache
 
@@ -62,8 +62,8 @@ class TorchBackend:
     def dtype_name(self, dtype) -> str:
         return str(dtype).split(".")[-1]
 
-    def layout(self, name: str, page_size: int, subblock_size: int):
-        return make_layout(name, page_size, subblock_size, migration=self.migration)
+    def layout_spec(self, name: str):
+        return layout_spec(name, migration=self.migration)
 
     def kv_bytes_per_token(self, spec, dtype, kv_quant: dict) -> int:
         return spec.bytes_per_token(dtype)
