@@ -353,9 +353,11 @@ def _run_in_workers(config: PerplexityConfig, todo: list[StreamSetting], jobs: i
     saved = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")  # read when a worker loads OpenBLAS
     try:
+        # longest first (full context reads up to 8K keys, larger watermarks more), so no worker idles long at the end
+        order = sorted(todo, key=lambda s: (s.policy.name != "full", -s.policy.high))
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_start,
                                  initargs=(config,)) as pool:
-            futures = {pool.submit(_worker_stream, config, s): s for s in todo}
+            futures = {pool.submit(_worker_stream, config, s): s for s in order}
             for f in as_completed(futures):
                 finished(futures[f], f.result())
     finally:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.tiles import NO_SEQ, AttentionError, OnStepTiles, StepTiles, plan_step_tiles
-from .cpu_softmax import softmax_last
+from .cpu_math import softmax_last
 
 PREFILL_TILE = 64  # OmniPage page = llama.cpp Metal flash-attention KV tile
 DECODE_TILE = 32  # OmniPage subblock = llama.cpp Metal vector-kernel KV block
@@ -152,7 +152,7 @@ def _runs(tiles: np.ndarray, tile: int) -> list[tuple[int, int]]:
 
 
 def _softmax_rows(s: mx.array) -> mx.array:
-    return softmax_last(s)  # mx.softmax(precise=True), with a vectorised exp on the CPU (kernels/cpu_softmax.py)
+    return softmax_last(s)  # mx.softmax(precise=True), with a vectorised exp on the CPU (kernels/cpu_math.py)
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ def test_query_blocks_bound_the_score_memory(monkeypatch):
     assert plan_cache < 1.25 * bias_bytes, (plan_cache, bias_bytes)
     all_scores = t * hq * capacity * 4  # 64 MB
     # ordered: 10 MB here (the CPU softmax holds about 6 score-sized intermediates per 1 MB block,
-    # kernels/cpu_softmax.py); unordered, the same blocks peak at 34 MB
+    # kernels/cpu_math.py); unordered, the same blocks peak at 34 MB
     assert transient < all_scores / 4, (transient, all_scores)
     ref, _ = oracle_attention(np.array(q), np.array(k), np.array(v), seq, qs, tiles, 64, 0.2)
     np.testing.assert_allclose(np.array(out), ref, atol=1e-5, rtol=1e-5)

@@ -1,12 +1,12 @@
-"""The CPU softmax of the reference attention (kernels/cpu_softmax.py) against mx.softmax(precise=True)."""
+"""The CPU softmax of the reference attention (kernels/cpu_math.py) against mx.softmax(precise=True)."""
 
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from omnitide_mlx.kernels import cpu_softmax  # noqa: E402
-from omnitide_mlx.kernels.cpu_softmax import FAST_CHUNK, softmax_last  # noqa: E402
+from omnitide_mlx.kernels import cpu_math  # noqa: E402
+from omnitide_mlx.kernels.cpu_math import FAST_CHUNK, softmax_last  # noqa: E402
 
 
 def _scores(rng, shape, spread=8.0):
@@ -35,10 +35,10 @@ def test_matches_mx_softmax_including_masked_and_empty_rows(shape):
 
 def test_exp_is_within_two_ulps_over_its_range():
     a = -np.linspace(0, 87.0, 200_001, dtype=np.float32)
-    got = np.array(cpu_softmax._exp_nonpositive(mx.array(a)))
+    got = np.array(cpu_math._exp_nonpositive(mx.array(a)))
     ref = np.exp(a.astype(np.float64))
     assert np.max(np.abs(got / ref - 1)) < 2.5e-7
-    below = np.array(cpu_softmax._exp_nonpositive(mx.array(np.array([-88.8, -100.0, -1e30, -np.inf], np.float32))))
+    below = np.array(cpu_math._exp_nonpositive(mx.array(np.array([-88.8, -100.0, -1e30, -np.inf], np.float32))))
     assert (below == 0).all()
 
 
@@ -46,10 +46,10 @@ def test_chunked_and_whole_paths_agree(monkeypatch):
     s = mx.array(_scores(np.random.default_rng(5), (1, 4, 64, 1000)))
     whole = np.array(softmax_last(s))
     assert s.size <= FAST_CHUNK
-    monkeypatch.setattr(cpu_softmax, "FAST_CHUNK", 3000)  # three rows a chunk: 86 chunks, the last one short
+    monkeypatch.setattr(cpu_math, "FAST_CHUNK", 3000)  # three rows a chunk: 86 chunks, the last one short
     pieces = []
-    real = cpu_softmax._softmax_chunk
-    monkeypatch.setattr(cpu_softmax, "_softmax_chunk", lambda x: pieces.append(x.shape[0]) or real(x))
+    real = cpu_math._softmax_chunk
+    monkeypatch.setattr(cpu_math, "_softmax_chunk", lambda x: pieces.append(x.shape[0]) or real(x))
     chunked = np.array(softmax_last(s))
     assert pieces == [3] * 85 + [1]
     np.testing.assert_array_equal(np.isnan(whole), np.isnan(chunked))
@@ -59,8 +59,20 @@ def test_chunked_and_whole_paths_agree(monkeypatch):
 def test_other_dtypes_and_vectors_use_mx_softmax(monkeypatch):
     calls = []
     real = mx.softmax
-    monkeypatch.setattr(cpu_softmax.mx, "softmax", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    monkeypatch.setattr(cpu_math.mx, "softmax", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
     softmax_last(mx.zeros((2, 8), mx.float16))
     softmax_last(mx.zeros((8,), mx.float32))
     softmax_last(mx.zeros((2, 8), mx.float32))
     assert calls == [mx.float16, mx.float32]
+
+
+def test_silu_matches_nn_silu_over_its_range():
+    import mlx.nn as nn
+
+    x = np.concatenate([np.linspace(-100, 100, 100_001, dtype=np.float32), [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0]])
+    got = np.array(cpu_math.silu(mx.array(x)))
+    ref = x.astype(np.float64) / (1 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_allclose(got, ref, rtol=5e-7, atol=1e-30)  # below x = -87.7 exp flushes to 0: |silu| < 1e-36
+    np.testing.assert_allclose(got, np.array(nn.silu(mx.array(x))), rtol=5e-6, atol=1e-30)  # nn.silu: 3.5e-6 off at -40
+    half = mx.array(x[:100].astype(np.float16))
+    assert cpu_math.silu(half).dtype == mx.float16

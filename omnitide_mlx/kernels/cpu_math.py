@@ -1,4 +1,4 @@
-"""The reference attention's softmax on MLX's CPU backend, with an exponential that stays in the graph.
+"""Softmax and SiLU on MLX's CPU backend, with an exponential that stays in the graph.
 
 MLX 0.32's CPU backend evaluates ``exp`` one element at a time, and at a streaming session's context lengths the
 softmax is most of a CPU attention call: for SmolLM2-135M (a 100-token unit over 500 keys, 9 x 100 x 500 =
@@ -15,6 +15,10 @@ session sets (``session.keep_cpu_buffers``, 2 GiB), ``softmax_last`` against ``m
 415 for a 2,333-token chunk's (1, 4, 3584, 2333). With MLX's default 32 MiB cache, chunks above 128K scores ran
 slower than ``mx.softmax`` (fresh pages for every intermediate). A 100-token SmolLM2 prefill over 400 cached tokens:
 0.63 -> 0.41 s, logits within 6e-5 (of 31).
+
+``silu`` (the decoder blocks' SwiGLU, models/blocks.py) is ``x sigmoid(x)`` with the same ``exp`` of ``-|x|``:
+``nn.silu`` takes 3.5 ms for one SmolLM2 MLP's (1, 100, 1536) gate, 30 times a unit (16 % of a unit's prefill on
+one core), this 0.4 ms, within 3e-7 relative.
 
 Semantics are ``mx.softmax(s, axis=-1, precise=True)``'s for float32 ``s``: the row maximum is subtracted first,
 so every argument of ``exp`` is <= 0; arguments below about -88 (``exp`` under float32's smallest normal) and
@@ -69,3 +73,17 @@ def softmax_last(s: mx.array) -> mx.array:
     step = max(1, FAST_CHUNK // n)
     parts = [_softmax_chunk(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
     return mx.concatenate(parts, axis=0).reshape(*lead, n)
+
+
+@mx.compile
+def _silu_fused(x: mx.array) -> mx.array:
+    e = _exp_nonpositive(-mx.abs(x))  # exp(-|x|) in (0, 1]: sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below
+    return x * mx.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+def silu(x: mx.array) -> mx.array:
+    """``x * sigmoid(x)`` (``nn.silu``); the fused exp for float32 on the CPU."""
+    if x.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        return _silu_fused(x)
+    return x * mx.sigmoid(x)
+
