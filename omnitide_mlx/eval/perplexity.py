@@ -120,10 +120,12 @@ def token_nll(logits, ids: np.ndarray, start: int, end: int) -> np.ndarray:
     """NLL (float64 numpy) of ``ids[start:end]``, each predicted by the logits row before it."""
     import mlx.core as mx
 
+    from ..kernels.cpu_math import logsumexp_last
+
     lg = logits[start - 1:end - 1].astype(mx.float32)
     tgt = mx.array(np.asarray(ids[start:end], dtype=np.int32))
     picked = mx.take_along_axis(lg, tgt[:, None], axis=-1)[:, 0]
-    nll = mx.logsumexp(lg, axis=-1) - picked
+    nll = logsumexp_last(lg) - picked  # mx.logsumexp; 3x faster on the CPU (kernels/cpu_math.py)
     return np.array(nll).astype(np.float64)
 
 

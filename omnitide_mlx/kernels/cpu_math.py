@@ -75,6 +75,26 @@ def softmax_last(s: mx.array) -> mx.array:
     return mx.concatenate(parts, axis=0).reshape(*lead, n)
 
 
+def logsumexp_last(s: mx.array) -> mx.array:
+    """``mx.logsumexp(s, axis=-1)`` with the fused exp for float32 on the CPU (scoring a unit's tokens: 100 x
+    49,152 vocabulary logits)."""
+    if s.dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return mx.logsumexp(s, axis=-1)
+    if s.ndim < 2:
+        return _logsumexp_chunk(s[None])[0]
+    lead, n = s.shape[:-1], s.shape[-1]
+    rows = s.reshape(-1, n)
+    step = max(1, FAST_CHUNK // n)
+    parts = [_logsumexp_chunk(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
+    return (parts[0] if len(parts) == 1 else mx.concatenate(parts)).reshape(lead)
+
+
+def _logsumexp_chunk(s: mx.array) -> mx.array:
+    m = mx.max(s, axis=-1, keepdims=True)
+    m = mx.where(mx.isinf(m), 0.0, m)  # a row of -inf gives -inf, as mx.logsumexp (finite logits otherwise)
+    return (m + mx.log(mx.sum(_exp_nonpositive(s - m), axis=-1, keepdims=True)))[..., 0]
+
+
 @mx.compile
 def _silu_fused(x: mx.array) -> mx.array:
     e = _exp_nonpositive(-mx.abs(x))  # exp(-|x|) in (0, 1]: sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below

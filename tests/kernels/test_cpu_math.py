@@ -76,3 +76,17 @@ def test_silu_matches_nn_silu_over_its_range():
     np.testing.assert_allclose(got, np.array(nn.silu(mx.array(x))), rtol=5e-6, atol=1e-30)  # nn.silu: 3.5e-6 off at -40
     half = mx.array(x[:100].astype(np.float16))
     assert cpu_math.silu(half).dtype == mx.float16
+
+
+def test_logsumexp_matches_mx_logsumexp_chunked_or_not(monkeypatch):
+    rng = np.random.default_rng(2)
+    s = (rng.standard_normal((7, 3, 5000)) * 6).astype(np.float32)
+    s[0, 0, :] = -np.inf
+    s[0, 1, 7:] = -np.inf
+    ref = np.array(mx.logsumexp(mx.array(s), axis=-1))
+    for chunk in (cpu_math.FAST_CHUNK, 12000):  # whole, and two rows a chunk
+        monkeypatch.setattr(cpu_math, "FAST_CHUNK", chunk)
+        got = np.array(cpu_math.logsumexp_last(mx.array(s)))
+        assert got.shape == ref.shape == (7, 3) and got[0, 0] == -np.inf
+        np.testing.assert_allclose(got[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=1e-6, atol=1e-6)
+    assert float(cpu_math.logsumexp_last(mx.array(np.zeros(4, np.float32)))) == pytest.approx(np.log(4))
