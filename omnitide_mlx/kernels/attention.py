@@ -151,6 +151,15 @@ def _runs(tiles: np.ndarray, tile: int) -> list[tuple[int, int]]:
     return [(int(r[0]) * tile, (int(r[-1]) + 1) * tile) for r in np.split(tiles, breaks)]
 
 
+def block_mask(blk: "_Block", q_seq: mx.array) -> mx.array:
+    """[tb, n] float32, 0 where a query sees the key and -inf where not, to add to the block's scores: the same
+    bits as ``where(visible, s, -inf)`` for finite scores, and 0.2 ms against 0.72 ms for a SmolLM2 unit's
+    (1, 3, 3, 95, 576) scores (one pass over a [tb, n] operand broadcast, not a boolean select)."""
+    if blk.mask is not None:
+        return blk.mask
+    return mx.where(blk.key_seq[None, :] <= q_seq[:, None], 0.0, -mx.inf)
+
+
 def _softmax_rows(s: mx.array) -> mx.array:
     return softmax_last(s)  # mx.softmax(precise=True), with a vectorised exp on the CPU (kernels/cpu_math.py)
 
@@ -163,7 +172,7 @@ class _Block:
     runs: tuple[tuple[int, int], ...]
     idx: mx.array | None  # gathered slots ("gather")
     key_seq: mx.array | None  # [n] serials of the selected slots (free -> _NO_SEQ)
-    mask: mx.array | None  # [tb, n] visibility when cached (small blocks); None: computed per call or not needed
+    mask: mx.array | None  # [tb, n] float32 0 / -inf, added to the scores, when cached; None: per call or not needed
     needs_mask: bool  # False when every selected key is visible to every query of the block
     keep_rows: mx.array | None  # [tb] False for queries that see no key (None: every query sees one)
     bias: tuple[mx.array, ...] | None  # small blocks: per run, [g * tb, n_run] 0 / -inf, added inside addmm
@@ -216,7 +225,7 @@ def _schedule(plan: TilePlan, i0: int, i1: int, g: int) -> _Block:
             off += b - a
         bias = tuple(bias)
     elif needs_mask and tb * key_np.size <= MASK_CACHE_MAX:
-        mask = mx.array(key_np[None, :] <= qs_np[:, None])
+        mask = mx.array(np.where(key_np[None, :] <= qs_np[:, None], 0.0, -np.inf).astype(np.float32))
     empty = qs_np < plan.tile_min[sel].min()  # queries that see no key: softmax of -inf rows is NaN
     key_seq = plan.key_seq[runs[0][0]:runs[0][1]] if mode == "slice" else mx.array(key_np.astype(np.int32))
     blk = _Block(mode, runs, idx, key_seq, mask, needs_mask, mx.array(~empty) if empty.any() else None, bias)
@@ -276,9 +285,7 @@ def _attend_block(q, k_buf, v_buf, blk: _Block, q_seq: mx.array, scale: float, g
     s = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     n = s.shape[-1]
     if blk.needs_mask and blk.bias is None:
-        s = s.reshape(1, hkv, g, tb, n)
-        mask = blk.mask if blk.mask is not None else blk.key_seq[None, :] <= q_seq[:, None]
-        s = mx.where(mask, s, -mx.inf)
+        s = s.reshape(1, hkv, g, tb, n) + block_mask(blk, q_seq)
     p = _softmax_rows(s)
     if blk.keep_rows is not None:
         p = mx.where(blk.keep_rows[:, None], p.reshape(1, hkv, g, tb, n), 0.0)

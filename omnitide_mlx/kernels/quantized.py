@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .attention import SCORE_BUDGET, AttentionError, TilePlan, _Block, _schedule, _softmax_rows, backend
+from .attention import SCORE_BUDGET, AttentionError, TilePlan, _Block, _schedule, _softmax_rows, backend, block_mask
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -202,8 +202,7 @@ def _attend_block(q, k: QTriple, v: QTriple, blk: _Block | None, q_seq: mx.array
     if parts:
         s = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
         if blk.needs_mask and blk.bias is None:
-            mask = blk.mask if blk.mask is not None else blk.key_seq[None, :] <= q_seq[:, None]
-            s = mx.where(mask, s.reshape(1, hkv, g, tb, n_q), -mx.inf).reshape(1, hkv, g * tb, n_q)
+            s = (s.reshape(1, hkv, g, tb, n_q) + block_mask(blk, q_seq)).reshape(1, hkv, g * tb, n_q)
     if full is not None:
         fk, fv, fseq = full
         sf = qg @ fk.astype(mx.float32).swapaxes(-1, -2)
