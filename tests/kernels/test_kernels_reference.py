@@ -269,3 +269,30 @@ def test_fused_paths_in_query_blocks_with_empty_tiles_and_gqa(block, path, monke
     out = np.array(tile_skip_attention(mx.array(q), mx.array(k), mx.array(v), seq, qs, tiles, 0.125, tile))
     np.testing.assert_allclose(out, oracle_attention(q, k, v, seq, qs, tiles, tile, 0.125)[0], atol=1e-5, rtol=1e-5)
     assert not out[:, :, :2].any()
+
+
+@pytest.mark.parametrize("t", [50, 100])  # 3 heads x t query rows > RUN_SCORES_MAX_ROWS: no addmm bias
+def test_the_mask_cached_or_built_per_call_is_the_select_it_replaces(t, monkeypatch):
+    """The visibility mask is added as 0 / -inf (kernels/attention.py: block_mask): the same bits as selecting
+    the scores with where(visible, s, -inf), whether the plan caches it or a large block builds it per call."""
+    rng = np.random.default_rng(11)
+    tile, capacity = 64, 512
+    seq = np.full(capacity, -1)
+    keep = np.flatnonzero(rng.random(capacity) < 0.6)  # holes in every tile
+    seq[keep] = rng.permutation(keep.size)
+    qs = np.sort(rng.integers(seq.max() - 3 * t, seq.max() + 1, t))  # some keys still in the queries' future
+    tiles = np.nonzero((seq.reshape(-1, tile) >= 0).any(axis=1))[0]
+    q, k, v = rand(rng, (1, 6, t, 64)), rand(rng, (1, 2, capacity, 64)), rand(rng, (1, 2, capacity, 64))
+    outs = []
+    for cache_max in (attn.MASK_CACHE_MAX, 0):
+        monkeypatch.setattr(attn, "MASK_CACHE_MAX", cache_max)
+        plan = attn.plan_tiles(seq, qs, tiles, tile)
+        blk = attn._schedule(plan, 0, t, 3)
+        assert blk.needs_mask and blk.bias is None and (blk.mask is None) == (cache_max == 0)
+        s = mx.array(rand(rng, (1, 2, 3, t, blk.key_seq.shape[0])))
+        visible = blk.key_seq[None, :] <= plan.q_seq[:, None]
+        assert mx.array_equal(s + attn.block_mask(blk, plan.q_seq), mx.where(visible, s, -mx.inf)).item()
+        outs.append(np.array(reference_attention(mx.array(q), mx.array(k), mx.array(v), plan, 0.125)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    ref, _ = oracle_attention(q, k, v, seq, qs, tiles, tile, 0.125)
+    np.testing.assert_allclose(outs[0], ref, atol=1e-5, rtol=1e-5)
