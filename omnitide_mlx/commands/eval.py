@@ -207,11 +207,11 @@ def _run_study(args) -> int:
     from ..eval.study import StudyConfig, run_study
     from ..models.llama_gguf import GGUFError, smollm2_path
 
-    if args.experiment != "recall":
-        return _run_text_experiment(args)
-    if args.jobs != 1:
+    if args.jobs != 1 and args.experiment != "perplexity":
         print("omnitide eval study: --jobs goes with --experiment perplexity", file=sys.stderr)
         return 2
+    if args.experiment != "recall":
+        return _run_text_experiment(args)
     try:
         path = Path(args.gguf).expanduser() if args.gguf else smollm2_path()
         settings = _settings(args, ["512/368", "256/184"])
@@ -255,8 +255,6 @@ def _run_text_experiment(args) -> int:
                               jobs=args.jobs)
             print((out / "table.md").read_text(encoding="utf-8"))
             return 0
-        if args.jobs != 1:
-            raise ValueError("--jobs goes with --experiment perplexity")
         if args.kv_bits is not None or args.kv_keep_sinks_full:
             raise ValueError("--experiment drift compares float16 with float32 KV; --kv-bits goes with recall and "
                              "perplexity (the quantised drift bound is tests/cache/test_cache_drift.py)")

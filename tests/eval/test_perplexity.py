@@ -141,7 +141,10 @@ def test_perplexity_and_drift_commands_end_to_end(tiny_path, tmp_path):
         assert {k: v for k, v in j[key].items() if not isinstance(v, float)} == \
                {k: v for k, v in r.items() if not isinstance(v, float)}, key
         assert j[key]["nll"] == pytest.approx(r["nll"], rel=1e-5), key
-    assert main(["eval", "study", "--gguf", str(tiny_path), "--jobs", "2", "--out", str(tmp_path / "d")]) == 2
+    for experiment in ("recall", "drift"):  # a usage error, the same for both, before the model loads
+        assert main(["eval", "study", "--experiment", experiment, "--gguf", str(tiny_path), "--jobs", "2",
+                     "--out", str(tmp_path / "d")]) == 2
+    assert not (tmp_path / "d").exists()
     assert main(["eval", "study", "--experiment", "perplexity", "--gguf", str(tiny_path), "--policy", "h2o",
                  "--out", str(tmp_path / "c")]) == 1
 
