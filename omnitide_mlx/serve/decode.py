@@ -11,6 +11,7 @@ import binascii
 import io
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 
@@ -50,6 +51,9 @@ class PushItem:
 def b64(data, what: str) -> bytes:
     if not isinstance(data, str):
         raise ClientError("bad_request", f"{what}.data must be a base64 string")
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", data):
+        raise ClientError("bad_request", f"{what}: the server fetches no URLs and reads no files; send the bytes "
+                                         "as base64 or a data: URL")
     if data.startswith("data:"):  # a data URL: data:image/jpeg;base64,....
         _, _, data = data.partition(",")
     try:
@@ -118,37 +122,78 @@ def decode_audio(fmt: str, data: bytes, sample_rate, limits: Limits, channels: i
     return a[:, 0].copy() if channels == 1 else a.copy()
 
 
+def _is_mp3(d: bytes) -> bool:  # an ID3 tag, or an MPEG audio frame sync with a layer (ADTS has layer 0)
+    return d[:3] == b"ID3" or (len(d) > 1 and d[0] == 0xFF and d[1] & 0xE0 == 0xE0 and d[1] & 0x06 != 0)
+
+
+def _is_adts(d: bytes) -> bool:
+    return len(d) > 1 and d[0] == 0xFF and d[1] & 0xF6 == 0xF0
+
+
+# The encoded audio a client may send (OpenAI's ``input_audio``; what browsers' MediaRecorder and apps produce):
+# name -> (how its bytes begin, the one FFmpeg demuxer that reads it). The demuxer is ours, never the client's
+# string: FFmpeg can be told to use demuxers that open other resources (hls and dash fetch URLs, concat and image2
+# read local files, tee / lavfi / protocols...), so only these, each checked against the bytes first.
+AUDIO_FILE_FORMATS = {
+    "wav": (lambda d: d[:4] in (b"RIFF", b"RF64") and d[8:12] == b"WAVE", "wav"),
+    "mp3": (_is_mp3, "mp3"),
+    "flac": (lambda d: d[:4] == b"fLaC", "flac"),
+    "ogg": (lambda d: d[:4] == b"OggS", "ogg"),
+    "opus": (lambda d: d[:4] == b"OggS", "ogg"),
+    "webm": (lambda d: d[:4] == b"\x1a\x45\xdf\xa3", "matroska"),
+    "m4a": (lambda d: d[4:8] == b"ftyp", "mov"),
+    "mp4": (lambda d: d[4:8] == b"ftyp", "mov"),
+    "aac": (_is_adts, "aac"),
+}
+AUDIO_FILE_ALIASES = {"wave": "wav", "x-wav": "wav", "mpeg": "mp3", "oga": "ogg", "weba": "webm", "x-m4a": "m4a"}
+# the audio codecs decoded inside those containers (a container may carry any codec FFmpeg has: only these)
+AUDIO_CODECS = ("pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_u8", "pcm_f32le", "pcm_f64le", "pcm_mulaw", "pcm_alaw",
+                "pcm_s16be", "mp3", "mp3float", "aac", "opus", "libopus", "vorbis", "libvorbis", "flac", "alac")
+MAX_CLIP_SECONDS = 600
+
+
 def decode_audio_file(data: bytes, fmt: str, limits: Limits) -> tuple[np.ndarray, int]:
-    """An encoded clip (``wav``, ``mp3``, ``flac``, ``ogg``...: OpenAI's ``input_audio``) -> mono float32 and rate."""
-    fmt = (fmt or "wav").lower()
-    if not fmt.isalnum() or len(fmt) > 8:
-        raise ClientError("bad_audio", f"audio format {fmt!r} is not a file format name such as wav or mp3")
+    """An encoded clip (OpenAI's ``input_audio``: ``wav``, ``mp3``, ``flac``, ``ogg`` / ``opus``, ``webm``,
+    ``m4a`` / ``mp4``, ``aac``) -> mono float32 at 16 kHz and its rate.
+
+    Every refusal (a format not in ``AUDIO_FILE_FORMATS``, bytes that are not the declared format, a codec not in
+    ``AUDIO_CODECS``, a clip FFmpeg cannot decode) has one wording, so the reply tells a client nothing about the
+    server's files; the demuxer never opens anything but these bytes."""
+    name = str(fmt or "wav").lower()
+    name = AUDIO_FILE_ALIASES.get(name, name)
+    shown = repr(name[:24])
+    refused = ClientError("bad_audio", f"input_audio is not a {shown} clip this server decodes (formats: "
+                                       f"{', '.join(AUDIO_FILE_FORMATS)})")
+    spec = AUDIO_FILE_FORMATS.get(name)
+    if spec is None or not spec[0](data[:16]):
+        raise refused
+    import av
+
+    sr = 16000
     try:
-        if fmt in ("wav", "flac", "ogg"):
-            import soundfile as sf
-
-            a, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-            a = a.mean(axis=1)
-        else:
-            import av
-
-            with av.open(io.BytesIO(data), format=fmt) as container:
-                if not container.streams.audio:
-                    raise ClientError("bad_audio", f"the {fmt} clip has no audio stream")
-                sr = 16000
-                resampler = av.AudioResampler(format="flt", layout="mono", rate=sr)
-                parts = [r.to_ndarray().reshape(-1) for f in container.decode(container.streams.audio[0])
-                         for r in resampler.resample(f)]
-                a = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        options = {"enable_drefs": "0"} if spec[1] == "mov" else {}  # mov may name external data files: never
+        with av.open(io.BytesIO(data), format=spec[1], options=options) as container:
+            streams = container.streams.audio
+            if not streams or streams[0].codec_context.name not in AUDIO_CODECS:
+                raise refused
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=sr)
+            parts, total = [], 0
+            for f in container.decode(streams[0]):
+                for r in resampler.resample(f):
+                    parts.append(r.to_ndarray().reshape(-1))
+                    total += parts[-1].size
+                if total > MAX_CLIP_SECONDS * sr:
+                    raise ClientError("audio_too_long", f"the clip is longer than {MAX_CLIP_SECONDS} s, the most "
+                                                        "one request takes", 413)
+            parts += [r.to_ndarray().reshape(-1) for r in resampler.resample(None)]
     except ClientError:
         raise
-    except Exception as e:  # soundfile / FFmpeg errors have no common base class
-        raise ClientError("bad_audio", f"cannot decode the {fmt} audio: {e}") from None
+    except Exception:  # FFmpeg's errors (no common base class): the same reply as any other refusal
+        raise refused from None
+    a = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     if a.size == 0:
-        raise ClientError("bad_audio", f"the {fmt} clip holds no samples")
-    if a.size / sr > 600:
-        raise ClientError("audio_too_long", f"the clip is {a.size / sr:.0f} s; one request takes at most 600 s", 413)
-    return a.astype(np.float32), int(sr)
+        raise ClientError("bad_audio", f"the {shown} clip holds no samples")
+    return a.astype(np.float32), sr
 
 
 def split_binary(message: bytes) -> tuple[dict, bytes]:
