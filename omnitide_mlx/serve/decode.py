@@ -33,6 +33,9 @@ class ClientError(OmniTideError):
 
 
 FRAME_FORMATS = ("jpeg", "png", "rgb", "rgba")
+# encoded frames: how the bytes begin, and the one PIL plugin allowed to open them (PIL would otherwise try every
+# format it knows, EPS through Ghostscript among them)
+FRAME_MAGIC = {"jpeg": (b"\xff\xd8\xff", "JPEG"), "png": (b"\x89PNG\r\n\x1a\n", "PNG")}
 AUDIO_FORMATS = {"pcm_s16le": np.dtype("<i2"), "pcm_f32le": np.dtype("<f4")}
 
 
@@ -76,18 +79,19 @@ def decode_frame(fmt: str, data: bytes, limits: Limits, width: int | None = None
             raise ClientError("bad_frame", f"a {width}x{height} {fmt} frame is {width * height * ch} bytes, got "
                                            f"{len(data)}")
         return np.frombuffer(data, np.uint8).reshape(height, width, ch)[:, :, :3].copy()
+    magic, plugin = FRAME_MAGIC[fmt]
+    if not data.startswith(magic):  # before any decoder: only JPEG / PNG bytes reach PIL, and only its JPEG / PNG
+        raise ClientError("bad_frame", f"the frame is not a {fmt} image")
     from PIL import Image, UnidentifiedImageError
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=[plugin])
         _check_pixels(img.size[0], img.size[1], limits)
         img.load()
     except ClientError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ClientError("bad_frame", f"cannot decode the {fmt} frame: {e}") from None
-    if img.format and img.format.lower() not in ("jpeg", "png", "mpo"):
-        raise ClientError("bad_frame", f"the frame is {img.format}, not {fmt}")
     arr = np.asarray(img.convert("RGB"))
     if arr.shape[0] < 2 or arr.shape[1] < 2:
         raise ClientError("bad_frame", f"the frame is {arr.shape[1]}x{arr.shape[0]} pixels: too small")

@@ -142,3 +142,37 @@ def test_a_playlist_sent_as_input_audio_is_refused_by_the_server(client, listene
 @pytest.fixture
 def client(http):
     return http
+
+
+def image_bytes(fmt: str) -> bytes:
+    from PIL import Image
+
+    img = Image.new("RGB", (16, 12), (200, 30, 30))
+    buf = io.BytesIO()
+    if fmt == "EPS":
+        buf.write(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 12\n0 0 moveto 16 12 lineto stroke\n%%EOF\n")
+    else:
+        img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "GIF", "TIFF", "BMP", "WEBP", "ICO", "PPM", "TGA", "JPEG2000", "PNG", "JPEG"])
+@pytest.mark.parametrize("declared", ["jpeg", "png"])
+def test_frames_are_only_decoded_as_the_declared_jpeg_or_png(fmt, declared, monkeypatch):
+    """Other formats never reach a PIL decoder (EPS would run Ghostscript on client PostScript): the bytes are
+    checked first, and PIL may only use the declared format's plugin."""
+    from PIL import Image
+
+    reached = []
+    Image.init()
+    for name, (factory, _) in Image.OPEN.items():
+        if name not in ("JPEG", "PNG", "MPO"):
+            monkeypatch.setattr(factory, "_open", lambda self, f=name: reached.append(f) or 1 / 0)
+    data = image_bytes(fmt)
+    if fmt == declared.upper():
+        assert decode_frame(declared, data, LIMITS).shape == (12, 16, 3)
+    else:
+        with pytest.raises(ClientError) as e:
+            decode_frame(declared, data, LIMITS)
+        assert e.value.code == "bad_frame" and e.value.message == f"the frame is not a {declared} image"
+    assert reached == []
