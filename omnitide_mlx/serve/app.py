@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from importlib import resources
 
 from starlette.applications import Starlette
@@ -36,7 +35,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .config import ServeConfig
-from .decode import ClientError, split_binary, unit_from_message
+from .decode import ClientError, parse_json, split_binary, unit_from_message
 from .guards import Guard
 from .openai import chat_completions
 from .sessions import Job, SessionManager, sampling_from
@@ -61,10 +60,7 @@ async def read_json(request: Request, limit: int) -> dict:
         if len(body) > limit:
             raise ClientError("message_too_large", f"the request body exceeds {limit} bytes (--max-message-bytes)",
                               413)
-    try:
-        data = json.loads(body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ClientError("bad_request", f"the body is not JSON: {e}") from None
+    data = parse_json(body or b"{}", "the body")
     if not isinstance(data, dict):
         raise ClientError("bad_request", "the body must be a JSON object")
     return data
@@ -221,10 +217,7 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
             if isinstance(data, bytes):
                 msg, payload = split_binary(data)
             else:
-                try:
-                    msg, payload = json.loads(data), None
-                except json.JSONDecodeError as e:
-                    raise ClientError("bad_request", f"the message is not JSON: {e}") from None
+                msg, payload = parse_json(data, "the message"), None
                 if not isinstance(msg, dict):
                     raise ClientError("bad_request", "a message is a JSON object with a type")
             kind = msg.get("type")
@@ -267,3 +260,6 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
             if kind == "unit":
                 ms.counts["rejected"] += 1
             outbox.put_nowait({"type": "error", "code": e.code, "message": e.message, **ref})
+        except Exception as e:  # a bug must not drop the client's socket: say so and go on
+            outbox.put_nowait({"type": "error", "code": "internal_error", "message": f"{type(e).__name__}: {e}",
+                               **ref})

@@ -51,6 +51,16 @@ class PushItem:
     t: float | None = None
 
 
+def parse_json(data: str | bytes, what: str):
+    """JSON from a client; malformed or too deeply nested (Python's parser recurses) is a ``bad_request``."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ClientError("bad_request", f"{what} is not JSON: {e}") from None
+    except RecursionError:
+        raise ClientError("bad_request", f"{what} is nested too deeply") from None
+
+
 def b64(data, what: str) -> bytes:
     if not isinstance(data, str):
         raise ClientError("bad_request", f"{what}.data must be a base64 string")
@@ -207,10 +217,7 @@ def split_binary(message: bytes) -> tuple[dict, bytes]:
     (n,) = struct.unpack(">I", message[:4])
     if n > len(message) - 4 or n > 65536:
         raise ClientError("bad_request", f"binary message header length {n} exceeds the message")
-    try:
-        header = json.loads(message[4:4 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ClientError("bad_request", f"binary message header is not JSON: {e}") from None
+    header = parse_json(message[4:4 + n], "binary message header")
     if not isinstance(header, dict):
         raise ClientError("bad_request", "binary message header must be a JSON object")
     return header, message[4 + n:]
