@@ -16,7 +16,7 @@ the camera and microphone into a session and draws the KV live. Loopback only un
 
 examples:
   omnitide serve --model Qwen/Qwen2.5-Omni-3B                      # http://127.0.0.1:8080/
-  omnitide serve --model ./checkpoints/tiny-minicpmo --policy fifo --kv-budget 64MiB --port 9000
+  omnitide serve --model openbmb/MiniCPM-o-4_5 --policy fifo --kv-budget 512MiB --port 9000
   omnitide serve --model M --host 0.0.0.0 --token "$(python -c 'import secrets; print(secrets.token_urlsafe())')"
 """
 

@@ -76,11 +76,11 @@ def create_app(config: ServeConfig, model, processor) -> Starlette:
         return HTMLResponse(html, headers=PAGE_HEADERS)
 
     async def health(request: Request):
-        return JSONResponse({"status": "ok", "model": config.model, "sessions": len(manager.sessions),
+        return JSONResponse({"status": "ok", "model": config.model_id, "sessions": len(manager.sessions),
                              "in_use": manager.in_use(), "max_sessions": limits.max_sessions})
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": config.model, "object": "model", "created": 0,
+        return JSONResponse({"object": "list", "data": [{"id": config.model_id, "object": "model", "created": 0,
                                                          "owned_by": "omnitide"}]})
 
     async def completions(request: Request):

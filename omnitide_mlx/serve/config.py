@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -36,6 +37,18 @@ class ServeConfig:
     default_max_tokens: int = 256
     limits: Limits = field(default_factory=Limits)
 
+    @property
+    def model_ref(self) -> str:
+        """The model's identity: a local folder resolved (relative, symlinked and 'dir/' spellings are one model,
+        as saved sessions record it), a Hub id as given."""
+        return model_ref(self.model)
+
+    @property
+    def model_id(self) -> str:
+        """The name clients see (``/v1/models``, replies): a local folder's name, never its path on this machine."""
+        p = Path(self.model).expanduser()
+        return p.resolve().name if self.model and p.exists() else self.model
+
     def check(self) -> None:
         """Refuse a configuration that would expose a model unprotected, before anything is loaded."""
         if not is_loopback(self.host) and not self.token:
@@ -52,6 +65,11 @@ class ServeConfig:
         for name in ("max_sessions", "max_message_bytes", "max_frame_pixels", "max_queued", "max_tokens"):
             if getattr(lim, name) < 1:
                 raise ValueError(f"limit {name} must be at least 1")
+
+
+def model_ref(model: str) -> str:
+    p = Path(model).expanduser()
+    return str(p.resolve()) if model and p.exists() else model
 
 
 def is_loopback(host: str) -> bool:

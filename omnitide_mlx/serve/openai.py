@@ -48,9 +48,12 @@ def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
     cfg = manager.config
     lim = cfg.limits
     model = body.get("model")
-    if model not in (None, "", "default", cfg.model) and not cfg.model.rstrip("/").endswith("/" + str(model)):
-        raise ClientError("model_not_found", f"this server runs {cfg.model!r}, not {model!r} (see GET /v1/models)",
-                          404)
+    # mlx_lm.server calls the model it serves "default_model"; clients also send the id from /v1/models or the
+    # --model the server was started with
+    names = (None, "", "default", "default_model", cfg.model, cfg.model_id, cfg.model.rstrip("/").split("/")[-1])
+    if model not in names:
+        raise ClientError("model_not_found", f"this server runs {cfg.model_id!r}, not {str(model)[:100]!r} (see GET "
+                                             "/v1/models)", 404)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError("bad_request", "messages must be a non-empty list")
@@ -169,7 +172,7 @@ async def chat_completions(manager: SessionManager, body: dict):
         raise
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    model = manager.config.model
+    model = manager.config.model_id
     cancel = threading.Event()
 
     if not req.stream:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import MediaError
-from .config import ServeConfig
+from .config import ServeConfig, model_ref
 from .decode import ClientError, PushItem
 
 POLICIES = ("omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager")
@@ -375,12 +375,13 @@ class SessionManager:
                     if path is not None:
                         s = OmniSession.restore(path, model=(self.model, self.processor), on_update=ms.on_update)
                         saved = s.model_path
-                        if saved and self.config.model and saved != self.config.model:
-                            raise ClientError("model_mismatch", f"session {restore!r} was saved with {saved}; this "
-                                                                f"server runs {self.config.model}", 409)
+                        if saved and self.config.model and model_ref(saved) != self.config.model_ref:
+                            raise ClientError("model_mismatch", f"session {restore!r} was saved with "
+                                                                f"{Path(saved).name}; this server runs "
+                                                                f"{self.config.model_id}", 409)
                     else:
                         s = OmniSession((self.model, self.processor), on_update=ms.on_update, **kw)
-                    s.model_path = self.config.model or None
+                    s.model_path = self.config.model_ref or None
                     return s
 
             try:

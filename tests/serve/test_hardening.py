@@ -33,3 +33,43 @@ def test_deeply_nested_json_over_the_websocket_is_an_error_message_and_the_socke
     assert c.until(lambda m: m["type"] == "pong")[-1]["id"] == "alive"
     c.close()
     http.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.slow
+def test_a_server_restores_its_own_sessions_whatever_the_model_path_looks_like(tiny_qwen, make_server, tmp_path,
+                                                                              clip_units):
+    """Saved under a relative path ending in '/', restored by that server and by one started through a symlink."""
+    import os
+
+    import httpx
+
+    from conftest import REPO
+
+    saved = tmp_path / "saved"
+    relative = os.path.relpath(tiny_qwen, REPO) + "/"  # the servers run in REPO
+    link = tmp_path / "link-to-model"
+    link.symlink_to(tiny_qwen, target_is_directory=True)
+    a = make_server("--model", relative, "--session-dir", str(saved))
+    with httpx.Client(base_url=a.url, timeout=60) as h:
+        models = h.get("/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [tiny_qwen.name]  # a name, never the server's local path
+        assert str(tiny_qwen.parent) not in h.get("/health").text
+        sid = new_session(h)
+        c = Client(a, sid)
+        c.send(__import__("test_ws").binary_unit(0, *clip_units[0][:2]))
+        c.until(lambda m: m["type"] == "pushed")
+        c.send({"type": "save", "name": "mine"})
+        assert c.until(lambda m: m["type"] in ("saved", "error"))[-1]["type"] == "saved"
+        c.close()
+        units = h.get(f"/v1/sessions/{sid}").json()["stats"]["units"]
+        r = h.post("/v1/sessions", json={"restore": "mine"})
+        assert r.status_code == 201, r.text
+        for model in ("default_model", tiny_qwen.name, relative, None):
+            r = h.post("/v1/chat/completions", json={"model": model, "max_tokens": 1,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, (model, r.text)
+    b = make_server("--model", str(link), "--session-dir", str(saved))
+    with httpx.Client(base_url=b.url, timeout=60) as h:
+        r = h.post("/v1/sessions", json={"restore": "mine"})
+        assert r.status_code == 201, r.text
+        assert r.json()["stats"]["units"] == units
