@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
     g.add_argument("--max-queued", type=int, default=8, help="units / questions waiting per session (default 8)")
     g.add_argument("--max-tokens-limit", type=int, default=2048, help="most tokens a client may ask for "
                                                                       "(default 2048)")
+    g.add_argument("--max-prompt-tokens", type=int, default=16384,
+                   help="most tokens one prompt may hold: a request's messages and media, a session's question "
+                        "(default 16384)")
     g.add_argument("--idle-timeout", type=float, default=600.0,
                    help="seconds a session may stay without a WebSocket before it is deleted (default 600)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -55,7 +58,8 @@ def config_from_args(args):
 
     limits = Limits(max_sessions=args.max_sessions, max_message_bytes=parse_bytes(args.max_message_bytes),
                     max_frame_pixels=args.max_frame_pixels, max_queued=args.max_queued,
-                    max_tokens=args.max_tokens_limit, idle_timeout_s=args.idle_timeout)
+                    max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
+                    idle_timeout_s=args.idle_timeout)
     high, low = resolve_watermarks(args)
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, token=args.token,
                       allow_origins=args.allow_origin, allow_hosts=args.allow_host, session_dir=args.session_dir,

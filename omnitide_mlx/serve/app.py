@@ -84,7 +84,7 @@ def create_app(config: ServeConfig, model, processor) -> Starlette:
                                                          "owned_by": "omnitide"}]})
 
     async def completions(request: Request):
-        return await chat_completions(manager, await read_json(request, limits.max_message_bytes))
+        return await chat_completions(manager, await read_json(request, limits.max_message_bytes), request)
 
     async def create_session(request: Request):
         body = await read_json(request, limits.max_message_bytes)
@@ -227,6 +227,7 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
                 ref["id"] = msg["id"]
             if kind == "unit":
                 ms.counts["units_received"] += 1
+                ms.check_room()  # a unit the queue cannot take is refused before its media are decoded
                 item = await loop.run_in_executor(None, unit_from_message, msg, payload, limits)
                 ms.submit(Job("push", {"item": item, "seq": item.seq})).add_done_callback(
                     lambda f, r=ref: reply(f, r))

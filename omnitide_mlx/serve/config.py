@@ -17,6 +17,9 @@ class Limits:
     max_audio_seconds: float = 10.0  # audio in one message (a unit is one second)
     max_queued: int = 8  # units and questions waiting per session: a client that outruns the model hears so
     max_tokens: int = 2048  # the most tokens one answer may ask for
+    # the most tokens one prompt may hold (a one-shot request's system prompt, media, turns and question; a
+    # session's question): a 500 KB question held the compute gate for 7 minutes and grew the server by 5 GB
+    max_prompt_tokens: int = 16384
     idle_timeout_s: float = 600.0  # a session without a WebSocket for this long is deleted
 
 
@@ -62,7 +65,8 @@ class ServeConfig:
                 raise ValueError(f"--allow-origin {o!r}: give a full origin such as https://app.example.com "
                                  "(no '*', no trailing slash)")
         lim = self.limits
-        for name in ("max_sessions", "max_message_bytes", "max_frame_pixels", "max_queued", "max_tokens"):
+        for name in ("max_sessions", "max_message_bytes", "max_frame_pixels", "max_queued", "max_tokens",
+                     "max_prompt_tokens"):
             if getattr(lim, name) < 1:
                 raise ValueError(f"limit {name} must be at least 1")
 

@@ -25,7 +25,8 @@ from .sessions import SessionManager, sampling_from
 @dataclass
 class ChatRequest:
     system: str | None
-    context: list = field(default_factory=list)  # ("frame", rgb) | ("audio", (samples, rate)) | ("text", str)
+    # ("frame", (format, data URL, where)) | ("audio", (format, base64, where)) | ("text", str): media still encoded
+    context: list = field(default_factory=list)
     question: str = ""
     sampling: dict = field(default_factory=dict)
     stream: bool = False
@@ -44,7 +45,8 @@ def _parts(content, where: str) -> list[dict]:
 
 
 def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
-    """Validate and decode a request (media decoded here, off the event loop), before any session exists."""
+    """Validate a request's shape before any slot or session is taken; its media stay encoded (``_prepare``
+    decodes them one at a time once the request holds a slot, so a refused request decodes nothing)."""
     cfg = manager.config
     lim = cfg.limits
     model = body.get("model")
@@ -87,16 +89,14 @@ def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
                     raise ClientError("bad_request", f"{where}.content[{j}]: images must be data URLs "
                                                      "(data:image/jpeg;base64,...); the server fetches nothing")
                 fmt = url[len("data:image/"):].split(";", 1)[0].lower()
-                fmt = {"jpg": "jpeg"}.get(fmt, fmt)
-                req.context.append(("frame", decode_frame(fmt, b64(url, f"{where}.content[{j}].image_url"), lim)))
+                req.context.append(("frame", ({"jpg": "jpeg"}.get(fmt, fmt), url, f"{where}.content[{j}].image_url")))
             elif kind == "input_audio":
                 if m["role"] != "user":
                     raise ClientError("bad_request", f"{where}: only user messages may hold audio")
                 a = p.get("input_audio")
                 if not isinstance(a, dict):
                     raise ClientError("bad_request", f"{where}.content[{j}].input_audio must be {{data, format}}")
-                req.context.append(("audio", decode_audio_file(b64(a.get("data"), "input_audio"),
-                                                               str(a.get("format", "wav")), lim)))
+                req.context.append(("audio", (str(a.get("format", "wav")), a.get("data"), "input_audio")))
             else:
                 raise ClientError("bad_request", f"{where}.content[{j}]: content type {kind!r} is not supported "
                                                  "(text, image_url, input_audio)")
@@ -114,27 +114,55 @@ def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
     return req
 
 
-def _prepare(manager: SessionManager, req: ChatRequest):
-    """Worker thread: a fresh full-context session holding the request's media and earlier turns."""
+def _prepare(manager: SessionManager, req: ChatRequest, cancel: threading.Event):
+    """Worker thread (the request holds a slot): a fresh full-context session holding the request's media and
+    earlier turns. The prompt's text is counted first; media are decoded one at a time and pushed a unit (a
+    frame, a second of audio) at a time, the prompt checked against ``--max-prompt-tokens`` after each, so
+    neither a long prompt nor many media run for long or stay in memory; a client that leaves stops it."""
     from ..session import OmniSession
 
-    gate = manager.gate
+    lim, gate = manager.config.limits, manager.gate
+    texts = [val for kind, val in req.context if kind == "text"]
+    question = manager.prompt_tokens([req.question])
+    manager.check_prompt(manager.prompt_tokens(texts, system=req.system) + question)
     with gate.step():
         s = OmniSession((manager.model, manager.processor), policy="full", system_prompt=req.system)
+
+    def push(**kw) -> None:
+        if cancel.is_set():
+            raise ClientError("cancelled", "the client left")
+        with gate.step():
+            s.push(**kw)
+        manager.check_prompt(s.history.total_tokens + question, counted="so far")
+
     try:
         for kind, val in req.context:
-            with gate.step():
-                if kind == "frame":
-                    s.push(frame=val)
-                elif kind == "audio":
-                    s.push(audio=val[0], sample_rate=val[1])
-                else:
-                    s.push(text=val)
+            if kind == "frame":
+                fmt, url, where = val
+                push(frame=decode_frame(fmt, b64(url, where), lim))
+            elif kind == "audio":
+                fmt, data, where = val
+                samples, rate = decode_audio_file(b64(data, where), fmt, lim)
+                for i in range(0, samples.size, rate):
+                    push(audio=samples[i:i + rate], sample_rate=rate)
+                del samples
+            else:
+                push(text=val)
         with gate.step():
             s.flush()
+        manager.check_prompt(s.history.total_tokens + question, counted="so far")
     except MediaError as e:
         raise ClientError("bad_media", str(e)) from None
     return s
+
+
+async def _until_disconnect(request, cancel: threading.Event) -> None:
+    """Set ``cancel`` when the client goes away (the body is read: the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
 
 
 def _answer(manager: SessionManager, s, req: ChatRequest, emit, cancel: threading.Event) -> dict:
@@ -161,25 +189,28 @@ def _answer(manager: SessionManager, s, req: ChatRequest, emit, cancel: threadin
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
-async def chat_completions(manager: SessionManager, body: dict):
+async def chat_completions(manager: SessionManager, body: dict, request):
     loop = asyncio.get_running_loop()
-    req = await loop.run_in_executor(manager.executor, parse_chat, body, manager)
+    req = parse_chat(body, manager)
     manager.claim_oneshot()
+    cancel = threading.Event()
+    watcher = asyncio.create_task(_until_disconnect(request, cancel))
     try:
-        s = await loop.run_in_executor(manager.executor, _prepare, manager, req)
+        s = await loop.run_in_executor(manager.executor, _prepare, manager, req, cancel)
     except BaseException:
+        watcher.cancel()
         manager.release_oneshot()
         raise
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     model = manager.config.model_id
-    cancel = threading.Event()
 
     if not req.stream:
         pieces: list[str] = []
-        try:
+        try:  # the watcher stops the answer at its next token if the client leaves
             result = await loop.run_in_executor(manager.executor, _answer, manager, s, req, pieces.append, cancel)
         finally:
+            watcher.cancel()
             manager.release_oneshot()
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
@@ -187,6 +218,7 @@ async def chat_completions(manager: SessionManager, body: dict):
                          "finish_reason": result["finish_reason"]}],
             "usage": result["usage"]})
 
+    watcher.cancel()  # from here the streaming response watches the client itself (and ``closed`` stops the answer)
     queue: asyncio.Queue = asyncio.Queue()
     state: dict = {"task": None}
 

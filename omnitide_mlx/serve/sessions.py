@@ -177,7 +177,8 @@ class ManagedSession:
                 "counts": dict(self.counts), "stats": self.last_stats}
 
     # --- jobs -------------------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> asyncio.Future:
+    def check_room(self) -> None:
+        """Refuse a job the queue has no room for (called before a unit's media are decoded, and by ``submit``)."""
         if self.closed:
             raise ClientError("no_session", f"session {self.id} was deleted", 404)
         limit = self.manager.config.limits.max_queued
@@ -185,6 +186,9 @@ class ManagedSession:
             raise ClientError("queue_full", f"{self.queued} units / questions already wait for session {self.id} "
                                             f"(limit {limit}, --max-queued); wait for their replies before sending more",
                               429)
+
+    def submit(self, job: Job) -> asyncio.Future:
+        self.check_room()
         job.future = self._loop.create_future()
         self.queued += 1
         self._jobs.put_nowait(job)
@@ -222,6 +226,8 @@ class ManagedSession:
         try:
             if job.kind == "push":
                 item: PushItem = job.args["item"]
+                if item.text:
+                    self.manager.check_prompt(self.manager.prompt_tokens([item.text]))
                 try:
                     with gate.step():
                         recs = s.push(frame=item.frame, audio=item.audio, text=item.text, t=item.t,
@@ -247,6 +253,7 @@ class ManagedSession:
 
     def _ask(self, job: Job) -> dict:
         gate, s, qid = self.manager.gate, self.session, job.args.get("id")
+        self.manager.check_prompt(self.manager.prompt_tokens([job.args["question"]]))
         before = s.counters.decoded_tokens
         speak = job.args.get("speak", False)
         try:
@@ -314,6 +321,7 @@ class SessionManager:
         self.sessions: dict[str, ManagedSession] = {}
         self.oneshots = 0
         self._creating = 0
+        self._counter = None  # a stream adapter that only counts prompt tokens (prompt_tokens)
         lim = config.limits
         self.executor = ThreadPoolExecutor(max_workers=lim.max_sessions + 2, thread_name_prefix="omnitide-serve")
 
@@ -404,6 +412,26 @@ class SessionManager:
         ms = self.get(sid)
         del self.sessions[sid]
         await ms.close()
+
+    def prompt_tokens(self, texts: list[str], system: str | None = None) -> int:
+        """Tokens these texts take as prompt units (``system``: plus the system unit), counted by a scratch stream
+        adapter of the model (its own protocol and tokenizer; nothing is computed, the embeddings stay lazy)."""
+        texts = [t for t in texts if isinstance(t, str) and t]
+        if not texts and system is None:
+            return 0
+        with self.gate.step():  # MLX graphs are built one thread at a time
+            if self._counter is None:
+                self._counter = self.model.stream_adapter(self.processor)
+            n = sum(self._counter.context_unit(t, 0).length for t in texts)
+            if system is not None:
+                n += self._counter.system_unit(system, 0).length
+        return n
+
+    def check_prompt(self, tokens: int, counted: str = "") -> None:
+        limit = self.config.limits.max_prompt_tokens
+        if tokens > limit:
+            raise ClientError("prompt_too_long", f"the prompt is {tokens} tokens{' ' + counted if counted else ''}; "
+                                                 f"the limit is {limit} (--max-prompt-tokens)", 413)
 
     def claim_oneshot(self) -> None:
         """A slot for one chat completion (it builds its own short-lived session); give it back with

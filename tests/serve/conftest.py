@@ -67,7 +67,7 @@ class Server:
 def server(tiny_qwen, tmp_path_factory):
     """One server for all the serve tests (starting one costs seconds): small limits so that each is reachable."""
     s = Server(["--model", str(tiny_qwen), "--max-sessions", "3", "--max-queued", "3", "--max-message-bytes",
-                "256KiB", "--max-frame-pixels", "20000", "--max-tokens-limit", "4000",
+                "256KiB", "--max-frame-pixels", "20000", "--max-tokens-limit", "4000", "--max-prompt-tokens", "2000",
                 "--session-dir", str(tmp_path_factory.mktemp("saved")), "--high", "150", "--low", "100"])
     yield s
     s.stop()

@@ -2,6 +2,7 @@
 structured error, and the server (and the WebSocket) goes on afterwards."""
 
 import json
+import time
 
 import pytest
 
@@ -73,3 +74,97 @@ def test_a_server_restores_its_own_sessions_whatever_the_model_path_looks_like(t
         r = h.post("/v1/sessions", json={"restore": "mine"})
         assert r.status_code == 201, r.text
         assert r.json()["stats"]["units"] == units
+
+
+def _ask(http, content, **kw):
+    return http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                   "max_tokens": 2, **kw})
+
+
+def test_one_shot_prompts_have_a_token_cap(http):
+    """The shared server runs with --max-prompt-tokens 2000: a long question is refused at once (not prefilled for
+    minutes), and so is a prompt whose media pass the cap."""
+    t0 = time.monotonic()
+    r = _ask(http, "word " * 50000)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_long", r.text
+    assert "2000" in r.json()["error"]["message"] and "--max-prompt-tokens" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 10
+    history = [{"role": "user", "content": "word " * 900}, {"role": "assistant", "content": "ok"}] * 3
+    r = http.post("/v1/chat/completions", json={"max_tokens": 2, "messages": history + [
+        {"role": "user", "content": "and?"}]})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_long", r.text
+    assert _ask(http, "word " * 100).status_code == 200
+    assert http.get("/health").json()["in_use"] == 0
+
+
+def test_a_websocket_question_has_the_same_cap(server, http):
+    sid = new_session(http)
+    c = Client(server, sid)
+    c.send({"type": "ask", "id": "big", "question": "word " * 50000, "max_tokens": 2})
+    err = c.until(lambda m: m["type"] in ("error", "answer_end"))[-1]
+    assert err["type"] == "error" and err["code"] == "prompt_too_long" and err["id"] == "big"
+    c.send({"type": "ask", "id": "small", "question": "hi", "max_tokens": 2})
+    assert c.until(lambda m: m["type"] == "answer_end")[-1]["tokens"] == 2
+    c.close()
+    http.delete(f"/v1/sessions/{sid}")
+
+
+def test_media_are_not_decoded_before_the_session_limit_is_checked(http, clip_units):
+    """At the session limit a request is refused with 429 before its media are looked at (a broken image would
+    otherwise give 400), so a refused request costs no decoding and no memory."""
+    import base64
+
+    ids = [new_session(http) for _ in range(3)]  # the shared server's --max-sessions 3
+    try:
+        broken = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(
+            b"\xff\xd8\xff" + b"\0" * 100).decode()}}
+        r = _ask(http, [broken] * 20 + [{"type": "text", "text": "hi"}])
+        assert r.status_code == 429 and r.json()["error"]["code"] == "session_limit", r.text
+    finally:
+        for sid in ids:
+            http.delete(f"/v1/sessions/{sid}")
+    r = _ask(http, [broken, {"type": "text", "text": "hi"}])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame"
+    assert http.get("/health").json()["in_use"] == 0
+
+
+def test_a_websocket_unit_is_not_decoded_when_the_queue_is_full(server, http, clip_units):
+    from test_ws import binary_unit
+
+    from omnitide_mlx.serve.decode import pack_binary
+
+    sid = new_session(http)
+    c = Client(server, sid)
+    jpeg, pcm, _ = clip_units[0]
+    c.send({"type": "ask", "id": "long", "question": "Tell a long story.", "max_tokens": 300})
+    c.until(lambda m: m["type"] == "piece")
+    for seq in range(3):  # the shared server's --max-queued 3: the queue is full behind the answer
+        c.send(binary_unit(seq, jpeg, pcm))
+    bad = b"\xff\xd8\xff" + b"\0" * 100
+    c.send(pack_binary({"type": "unit", "seq": 99, "frame": {"format": "jpeg", "bytes": len(bad)}}, bad))
+    err = c.until(lambda m: m["type"] == "error" and m.get("seq") == 99)[-1]
+    assert err["code"] == "queue_full"  # not bad_frame: the frame was never decoded
+    c.send({"type": "cancel"})
+    c.close()
+    http.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_a_one_shot_request_stops_it(server, http, stream):
+    """A non-streaming client that times out (or a streaming one that closes) frees its slot within a second or
+    two, not after its max_tokens."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 4000, "stream": stream,
+            "stop": ["\u2603never"]}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=1.5)) as short:
+        if stream:
+            with short.stream("POST", "/v1/chat/completions", json=body) as r:
+                next(r.iter_lines())  # the first event came: leave
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                short.post("/v1/chat/completions", json=body)
+    deadline = time.monotonic() + 5
+    while http.get("/health").json()["in_use"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert http.get("/health").json()["in_use"] == 0
