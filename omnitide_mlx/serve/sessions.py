@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
 import secrets
 import threading
@@ -368,6 +369,11 @@ class SessionManager:
         from ..session import OmniSession
 
         restore = req.get("restore")
+        ephemeral = req.get("ephemeral", False)
+        if ephemeral is None:
+            ephemeral = False
+        if not isinstance(ephemeral, bool):
+            raise ClientError("bad_request", f"ephemeral must be true or false, not {json.dumps(ephemeral)[:40]}")
         kw = None if restore is not None else self.session_kwargs(req)
         path = self.save_path(restore) if restore is not None else None
         if path is not None and not (path / "session.json").is_file():
@@ -376,7 +382,7 @@ class SessionManager:
         self._creating += 1
         try:
             sid = secrets.token_urlsafe(12)
-            ms = ManagedSession(sid, self, ephemeral=bool(req.get("ephemeral", False)))
+            ms = ManagedSession(sid, self, ephemeral=ephemeral)
 
             def build():
                 with self.gate.step():

@@ -168,3 +168,71 @@ def test_a_client_that_leaves_a_one_shot_request_stops_it(server, http, stream):
     while http.get("/health").json()["in_use"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert http.get("/health").json()["in_use"] == 0
+
+
+def test_ephemeral_must_be_a_boolean(http):
+    for bad in ("no", "false", 0, 1, [True]):
+        r = http.post("/v1/sessions", json={"ephemeral": bad})
+        assert r.status_code == 400 and "ephemeral" in r.json()["error"]["message"], (bad, r.text)
+    assert http.get("/health").json()["sessions"] == 0
+
+
+def test_the_token_rides_in_the_query_only_on_websocket_routes():
+    from test_api import guarded
+
+    from omnitide_mlx.serve.config import ServeConfig
+
+    token = "s3cret-token-0123456789"
+    c = guarded(ServeConfig(host="0.0.0.0", token=token))
+    assert c.get(f"/v1/x?token={token}").status_code == 401  # HTTP: the Authorization header only
+    r = c.get("/v1/x")
+    assert "Authorization" in r.json()["error"]["message"]
+    assert c.get("/v1/x", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+
+
+def test_the_origin_refusal_suggests_only_what_the_server_accepts():
+    from test_api import guarded
+
+    from omnitide_mlx.serve.config import ServeConfig
+
+    c = guarded(ServeConfig())
+    for origin in ("null", "file://", "chrome-extension://abc", "http://evil.example"):
+        r = c.get("/v1/x", headers={"Origin": origin})
+        assert r.status_code == 403
+        message = r.json()["error"]["message"]
+        suggested = message.split("--allow-origin ", 1)[1].split()[0] if "--allow-origin " in message else None
+        if suggested is None:
+            assert "http(s)" in message
+        else:  # the flag it suggests is one the server takes
+            ServeConfig(allow_origins=[suggested]).check()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--port", "99999"], "port"), (["--port", "-1"], "port"), (["--idle-timeout", "-1"], "idle-timeout"),
+    (["--idle-timeout", "nan"], "idle-timeout"), (["--max-prompt-tokens", "0"], "max-prompt-tokens")])
+def test_bad_serve_flags_are_usage_errors_before_loading(tmp_path, args, needle):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    r = subprocess.run([sys.executable, "-m", "omnitide_mlx", "serve", "--model", str(tmp_path / "missing"), *args],
+                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                                       "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr and "loading" not in r.stderr
+
+
+def test_a_session_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "omnitide_mlx", "serve", "--model", str(tmp_path / "missing"),
+                        "--session-dir", str(f)], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert r.returncode in (1, 2) and "--session-dir" in r.stderr and "not a folder" in r.stderr, r.stderr
+    assert "Errno" not in r.stderr and "loading" not in r.stderr
