@@ -3,11 +3,19 @@ live camera-and-microphone page) over one model."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
 
-from .options import add_model_arguments, add_policy_arguments, resolve_watermarks
+from .options import (
+    _number,
+    add_model_arguments,
+    add_policy_arguments,
+    positive_float,
+    positive_int,
+    resolve_watermarks,
+)
 
 HELP = "serve a model over HTTP / WebSocket (OpenAI-compatible API, streaming sessions, a live page)"
 DESCRIPTION = """Serve one model to apps and browsers: POST /v1/chat/completions (OpenAI-compatible, SSE with
@@ -21,12 +29,19 @@ examples:
 """
 
 
+def port_number(text: str) -> int:
+    v = _number(text, int)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535 (0 picks a free one), got {v}")
+    return v
+
+
 def add_arguments(p) -> None:
     add_model_arguments(p)
     add_policy_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any non-loopback "
                                                         "address needs --token)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument("--token", default=os.environ.get("OMNITIDE_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' on the API (default: $OMNITIDE_TOKEN)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
@@ -35,19 +50,19 @@ def add_arguments(p) -> None:
                    help="accept requests addressed to host NAME besides loopback names (repeatable)")
     p.add_argument("--session-dir", default=None, metavar="DIR",
                    help="folder where sessions are saved and restored by name (default: saving off)")
-    p.add_argument("--max-tokens", type=int, default=256, help="default answer length (default 256)")
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="default answer length (default 256)")
     g = p.add_argument_group("limits")
-    g.add_argument("--max-sessions", type=int, default=4, help="sessions and requests at once (default 4)")
+    g.add_argument("--max-sessions", type=positive_int, default=4, help="sessions and requests at once (default 4)")
     g.add_argument("--max-message-bytes", default="8MiB", help="largest WebSocket message / request body "
                                                                 "(default 8MiB)")
-    g.add_argument("--max-frame-pixels", type=int, default=1920 * 1080, help="largest frame (default 1920x1080)")
-    g.add_argument("--max-queued", type=int, default=8, help="units / questions waiting per session (default 8)")
-    g.add_argument("--max-tokens-limit", type=int, default=2048, help="most tokens a client may ask for "
+    g.add_argument("--max-frame-pixels", type=positive_int, default=1920 * 1080, help="largest frame (default 1920x1080)")
+    g.add_argument("--max-queued", type=positive_int, default=8, help="units / questions waiting per session (default 8)")
+    g.add_argument("--max-tokens-limit", type=positive_int, default=2048, help="most tokens a client may ask for "
                                                                       "(default 2048)")
-    g.add_argument("--max-prompt-tokens", type=int, default=16384,
+    g.add_argument("--max-prompt-tokens", type=positive_int, default=16384,
                    help="most tokens one prompt may hold: a request's messages and media, a session's question "
                         "(default 16384)")
-    g.add_argument("--idle-timeout", type=float, default=600.0,
+    g.add_argument("--idle-timeout", type=positive_float, default=600.0,
                    help="seconds a session may stay without a WebSocket before it is deleted (default 600)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 

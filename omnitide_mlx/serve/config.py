@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,14 +63,27 @@ class ServeConfig:
             raise ValueError("--token must be at least 16 characters (e.g. python -c 'import secrets; "
                              "print(secrets.token_urlsafe())')")
         for o in self.allow_origins:
-            if o == "*" or not o.startswith(("http://", "https://")) or o.endswith("/"):
-                raise ValueError(f"--allow-origin {o!r}: give a full origin such as https://app.example.com "
-                                 "(no '*', no trailing slash)")
+            problem = origin_flag_problem(o)
+            if problem is not None:
+                raise ValueError(problem)
+        if self.session_dir and os.path.exists(self.session_dir) and not os.path.isdir(self.session_dir):
+            raise ValueError(f"--session-dir {self.session_dir} is not a folder (a file is there): give a folder "
+                             "where sessions are saved")
         lim = self.limits
+        if not (math.isfinite(lim.idle_timeout_s) and lim.idle_timeout_s > 0):
+            raise ValueError(f"--idle-timeout must be a positive number of seconds, got {lim.idle_timeout_s}")
         for name in ("max_sessions", "max_message_bytes", "max_frame_pixels", "max_queued", "max_tokens",
                      "max_prompt_tokens"):
             if getattr(lim, name) < 1:
                 raise ValueError(f"limit {name} must be at least 1")
+
+
+def origin_flag_problem(origin: str) -> str | None:
+    """Why ``--allow-origin ORIGIN`` is refused (None: it is taken); the Origin guard suggests only taken ones."""
+    if origin == "*" or not origin.startswith(("http://", "https://")) or origin.endswith("/") or " " in origin:
+        return (f"--allow-origin {origin!r}: give a full origin such as https://app.example.com (http or https; "
+                "no '*', no trailing slash)")
+    return None
 
 
 def model_ref(model: str) -> str:

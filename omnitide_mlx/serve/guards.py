@@ -17,7 +17,7 @@ import hmac
 import json
 from urllib.parse import parse_qs
 
-from .config import ServeConfig, is_loopback
+from .config import ServeConfig, is_loopback, origin_flag_problem
 
 OPEN_PATHS = ("/", "/favicon.ico")  # the page itself holds no secret; everything it does goes through the API
 
@@ -66,19 +66,23 @@ class Guard:
         if origin is not None:
             same = origin in (f"http://{host}", f"https://{host}")
             if not same and origin not in self.origins:
-                return 403, "bad_origin", (f"origin {origin!r} may not use this server; start it with "
-                                           f"--allow-origin {origin} to allow that page")
+                if origin_flag_problem(origin) is None:
+                    return 403, "bad_origin", (f"origin {origin!r} may not use this server; start it with "
+                                               f"--allow-origin {origin} to allow that page")
+                return 403, "bad_origin", (f"origin {origin!r} may not use this server, and no flag allows it (a "
+                                           "file:// page, a sandboxed frame or an extension): serve the page over "
+                                           "http(s) and allow that origin with --allow-origin")
         if check_token and self.config.token and scope["path"] not in OPEN_PATHS:
             given = None
             auth = headers.get("authorization", "")
             if auth.lower().startswith("bearer "):
                 given = auth[7:].strip()
-            else:
+            elif scope["type"] == "websocket":  # browsers cannot set headers on a WebSocket: only there
                 q = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
                 given = q[0] if q else None
             if given is None or not hmac.compare_digest(given.encode(), self.config.token.encode()):
-                return 401, "bad_token", ("this server needs its token: send 'Authorization: Bearer TOKEN' (or "
-                                          "?token=TOKEN on a WebSocket URL)")
+                return 401, "bad_token", ("this server needs its token: send 'Authorization: Bearer TOKEN' (a "
+                                          "WebSocket URL may carry ?token=TOKEN instead)")
         return None
 
 

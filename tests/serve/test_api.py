@@ -187,7 +187,7 @@ def test_guard_token_origins_and_cors():
     assert c.get("/v1/x").status_code == 401
     assert c.get("/v1/x", headers={"Authorization": "Bearer wrong-token-0123456789"}).status_code == 401
     assert c.get("/v1/x", headers={"Authorization": f"Bearer {token}"}).status_code == 200
-    assert c.get(f"/v1/x?token={token}").status_code == 200
+    assert c.get(f"/v1/x?token={token}").status_code == 401  # ?token= is for WebSocket URLs only
     assert c.get("/").status_code == 200  # the page holds no secret
     pre = c.options("/v1/x", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "https://app.example"
