@@ -86,6 +86,10 @@ def create_app(config: ServeConfig, model, processor) -> Starlette:
     async def completions(request: Request):
         return await chat_completions(manager, await read_json(request, limits.max_message_bytes), request)
 
+    async def text_completions(request: Request):
+        return await chat_completions(manager, await read_json(request, limits.max_message_bytes), request,
+                                      text=True)
+
     async def create_session(request: Request):
         body = await read_json(request, limits.max_message_bytes)
         ms = await manager.create(body)
@@ -150,6 +154,7 @@ def create_app(config: ServeConfig, model, processor) -> Starlette:
         Route("/health", health),
         Route("/v1/models", models),
         Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
         Route("/v1/sessions", create_session, methods=["POST"]),
         Route("/v1/sessions", list_sessions, methods=["GET"]),
         Route("/v1/sessions/{sid}", get_session, methods=["GET"]),

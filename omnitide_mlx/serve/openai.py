@@ -22,6 +22,9 @@ from .decode import ClientError, b64, decode_audio_file, decode_frame
 from .sessions import SessionManager, sampling_from
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 @dataclass
 class ChatRequest:
     system: str | None
@@ -31,6 +34,35 @@ class ChatRequest:
     sampling: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+
+
+def unsupported(body: dict) -> None:
+    """Refuse the OpenAI options this server does not do, rather than ignore them and answer something else."""
+    def refuse(message: str):
+        raise ClientError("unsupported", message)
+
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        refuse("n: this server gives one choice per request (n 1); send several requests for more")
+    if body.get("best_of") not in (None, 1):
+        refuse("best_of: this server gives one choice per request")
+    if body.get("tools") not in (None, []) or body.get("functions") not in (None, []):
+        refuse("tools / functions: this server does no function calling")
+    if body.get("tool_choice") not in (None, "none", "auto") or body.get("function_call") not in (None, "none",
+                                                                                                  "auto"):
+        refuse("tool_choice: this server does no function calling")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        refuse("response_format: this server answers in plain text only ({\"type\": \"text\"})")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        refuse("logprobs / top_logprobs: this server returns no log probabilities")
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
+        refuse("modalities: /v1/chat/completions answers in text only (modalities [\"text\"]; no audio output); "
+               "spoken answers come over a session's WebSocket (ask with speak: true)")
+    if body.get("audio") is not None:
+        refuse("audio output is not offered on /v1/chat/completions; spoken answers come over a session's "
+               "WebSocket (ask with speak: true)")
 
 
 def _parts(content, where: str) -> list[dict]:
@@ -56,12 +88,13 @@ def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
     if model not in names:
         raise ClientError("model_not_found", f"this server runs {cfg.model_id!r}, not {str(model)[:100]!r} (see GET "
                                              "/v1/models)", 404)
+    unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError("bad_request", "messages must be a non-empty list")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise ClientError("bad_request", f"messages[{i}].role must be system, developer, user or assistant")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ClientError("bad_request", f"messages[{i}].role must be one of {', '.join(ROLES)}")
     if messages[-1]["role"] != "user":
         raise ClientError("bad_request", "the last message must be the user's question")
     req = ChatRequest(system=None, stream=bool(body.get("stream", False)),
@@ -71,7 +104,10 @@ def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
     system = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        parts = _parts(m.get("content"), where)
+        content = m.get("content")
+        if content is None and m["role"] in ("assistant", "tool"):
+            content = ""  # an assistant turn that only called a tool, or an empty tool result
+        parts = _parts(content, where)
         last = i == len(messages) - 1
         texts = []
         for j, p in enumerate(parts):
@@ -108,8 +144,8 @@ def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
             if not text.strip():
                 raise ClientError("bad_request", "the last user message needs text: the question to answer")
             req.question = text
-        elif text.strip():
-            req.context.append(("text", text if m["role"] == "user" else f"(assistant) {text}"))
+        elif text.strip():  # earlier turns are context the question is asked about
+            req.context.append(("text", text if m["role"] == "user" else f"({m['role']}) {text}"))
     req.system = "\n".join(system) or cfg.system_prompt
     return req
 
@@ -189,9 +225,27 @@ def _answer(manager: SessionManager, s, req: ChatRequest, emit, cancel: threadin
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
-async def chat_completions(manager: SessionManager, body: dict, request):
+def completion_as_chat(body: dict) -> dict:
+    """``POST /v1/completions`` (a plain-text ``prompt``) as a chat request: the engine streams conversations, so
+    the prompt is asked as the user's question (no raw continuation of the text, no ``echo`` or ``suffix``)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ClientError("bad_request", "prompt must be a non-empty string (or a list of one)")
+    if body.get("echo"):
+        raise ClientError("unsupported", "echo: the prompt is asked as a question, not continued; it is not echoed")
+    if body.get("suffix") is not None:
+        raise ClientError("unsupported", "suffix: this server does no insertion")
+    chat = {k: v for k, v in body.items() if k not in ("prompt", "echo", "suffix", "messages")}
+    chat["messages"] = [{"role": "user", "content": prompt}]
+    return chat
+
+
+async def chat_completions(manager: SessionManager, body: dict, request, *, text: bool = False):
+    """A chat completion (``text``: a ``/v1/completions`` reply shape for the same request)."""
     loop = asyncio.get_running_loop()
-    req = parse_chat(body, manager)
+    req = parse_chat(completion_as_chat(body) if text else body, manager)
     manager.claim_oneshot()
     cancel = threading.Event()
     watcher = asyncio.create_task(_until_disconnect(request, cancel))
@@ -201,7 +255,7 @@ async def chat_completions(manager: SessionManager, body: dict, request):
         watcher.cancel()
         manager.release_oneshot()
         raise
-    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    cid = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     model = manager.config.model_id
 
@@ -212,10 +266,11 @@ async def chat_completions(manager: SessionManager, body: dict, request):
         finally:
             watcher.cancel()
             manager.release_oneshot()
+        choice = ({"index": 0, "text": "".join(pieces), "logprobs": None} if text else
+                  {"index": 0, "message": {"role": "assistant", "content": "".join(pieces)}})
         return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
-                         "finish_reason": result["finish_reason"]}],
+            "id": cid, "object": "text_completion" if text else "chat.completion", "created": created,
+            "model": model, "choices": [{**choice, "finish_reason": result["finish_reason"]}],
             "usage": result["usage"]})
 
     watcher.cancel()  # from here the streaming response watches the client itself (and ``closed`` stops the answer)
@@ -226,8 +281,13 @@ async def chat_completions(manager: SessionManager, body: dict, request):
         loop.call_soon_threadsafe(queue.put_nowait, piece)
 
     def chunk(delta: dict, finish=None, usage=None) -> str:
-        d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if text:
+            d = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                 "choices": [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
+                              "finish_reason": finish}]}
+        else:
+            d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         if usage is not None:
             d["usage"] = usage
         return f"data: {json.dumps(d)}\n\n"
@@ -237,7 +297,8 @@ async def chat_completions(manager: SessionManager, body: dict, request):
         # the slot is given back when the worker has really stopped, however the response ended
         task.add_done_callback(lambda _: manager.release_oneshot())
         task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
-        yield chunk({"role": "assistant", "content": ""})
+        if not text:
+            yield chunk({"role": "assistant", "content": ""})
         while True:
             piece = await queue.get()
             if piece is None:

@@ -236,3 +236,52 @@ def test_a_session_dir_that_is_a_file_is_a_clear_error(tmp_path):
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert r.returncode in (1, 2) and "--session-dir" in r.stderr and "not a folder" in r.stderr, r.stderr
     assert "Errno" not in r.stderr and "loading" not in r.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "logprobs"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"n": "2"}, "n"), ({"modalities": "text"}, "modalities")])
+def test_openai_options_the_server_does_not_do_are_refused(http, extra, needle):
+    r = _ask(http, "hi", **extra)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported", r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_openai_requests_as_clients_send_them(http):
+    ok = {"n": 1, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+          "modalities": ["text"], "model": "default_model", "user": "u1", "stream": False}
+    r = _ask(http, "hi", **ok)
+    assert r.status_code == 200, r.text
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                      "function": {"name": "w", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C."},
+               {"role": "assistant", "content": None}, {"role": "user", "content": "So?"}]
+    r = http.post("/v1/chat/completions", json={"max_tokens": 2, "messages": history})
+    assert r.status_code == 200, r.text
+    without_tool = http.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
+        history[0], history[1], history[-1]]})
+    assert r.json()["usage"]["prompt_tokens"] > without_tool.json()["usage"]["prompt_tokens"]  # the tool's result
+
+
+def test_text_completions(http):
+    r = http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4, "model": "default_model"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and isinstance(out["choices"][0]["text"], str)
+    assert out["choices"][0]["finish_reason"] in ("length", "stop") and out["usage"]["completion_tokens"] <= 4
+    with http.stream("POST", "/v1/completions", json={"prompt": ["Once upon a time"], "max_tokens": 4,
+                                                      "stream": True}) as s:
+        lines = [ln for ln in s.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]  # greedy: the same
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": ""}, {"prompt": 5}, {}, {"prompt": "a", "echo": True},
+                {"prompt": "a", "suffix": "z"}, {"prompt": "a", "best_of": 2}):
+        r = http.post("/v1/completions", json={"max_tokens": 2, **bad})
+        assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
