@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
                    help="accept requests addressed to host NAME besides loopback names (repeatable)")
     p.add_argument("--session-dir", default=None, metavar="DIR",
                    help="folder where sessions are saved and restored by name (default: saving off)")
+    p.add_argument("--voice", action="append", default=[], metavar="NAME=FILE",
+                   help="let clients pick the voice file FILE (a voice .safetensors, MiniCPM-o) as speaker NAME "
+                        "(repeatable); otherwise a speaker names one of the checkpoint's voices, never a file")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="default answer length (default 256)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=positive_int, default=4, help="sessions and requests at once (default 4)")
@@ -76,10 +79,17 @@ def config_from_args(args):
                     max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     idle_timeout_s=args.idle_timeout)
     high, low = resolve_watermarks(args)
+    voices = {}
+    for v in args.voice:
+        name, sep, path = v.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--voice {v!r}: give NAME=FILE (a voice .safetensors)")
+        voices[name] = os.path.abspath(os.path.expanduser(path))
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, token=args.token,
                       allow_origins=args.allow_origin, allow_hosts=args.allow_host, session_dir=args.session_dir,
                       policy=args.policy, high=high, low=low, kv_budget=args.kv_budget,
-                      system_prompt=args.system_prompt, default_max_tokens=args.max_tokens, limits=limits)
+                      system_prompt=args.system_prompt, default_max_tokens=args.max_tokens, voices=voices,
+                      limits=limits)
     cfg.check()
     if args.max_tokens < 1 or args.max_tokens > args.max_tokens_limit:
         raise ValueError(f"--max-tokens {args.max_tokens} must lie in [1, --max-tokens-limit {args.max_tokens_limit}]")

@@ -242,8 +242,9 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
                     raise ClientError("bad_request", "ask needs a non-empty question")
                 sampling = sampling_from(msg, manager.config.default_max_tokens, limits.max_tokens)
                 speak, speaker = msg.get("speak", False), msg.get("speaker")
-                if not isinstance(speak, bool) or (speaker is not None and not isinstance(speaker, str)):
-                    raise ClientError("bad_request", "speak must be true or false, speaker a voice name")
+                if not isinstance(speak, bool):
+                    raise ClientError("bad_request", "speak must be true or false")
+                speaker = manager.speaker(speaker)
                 ms.submit(Job("ask", {"id": msg.get("id"), "question": q, "sampling": sampling, "speak": speak,
                                       "speaker": speaker})).add_done_callback(
                     lambda f, r=ref: reply(f, r))

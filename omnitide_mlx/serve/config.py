@@ -5,8 +5,13 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+# a voice a client may name: a checkpoint's voice or an operator's --voice, never a path
+VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class ServeConfig:
     kv_budget: str | int | None = None  # bytes, or a size such as '512MiB'
     system_prompt: str | None = None
     default_max_tokens: int = 256
+    voices: dict[str, str] = field(default_factory=dict)  # --voice NAME=FILE: voice files clients may name
     limits: Limits = field(default_factory=Limits)
 
     @property
@@ -69,6 +75,12 @@ class ServeConfig:
         if self.session_dir and os.path.exists(self.session_dir) and not os.path.isdir(self.session_dir):
             raise ValueError(f"--session-dir {self.session_dir} is not a folder (a file is there): give a folder "
                              "where sessions are saved")
+        for name, path in self.voices.items():
+            if not VOICE_NAME.match(name):
+                raise ValueError(f"--voice {name}=...: a voice name is 1-64 letters, digits, '_', '-' or '.', "
+                                 "starting with a letter or digit")
+            if not path.endswith(".safetensors") or not os.path.isfile(path):
+                raise ValueError(f"--voice {name}={path}: no voice .safetensors file there")
         lim = self.limits
         if not (math.isfinite(lim.idle_timeout_s) and lim.idle_timeout_s > 0):
             raise ValueError(f"--idle-timeout must be a positive number of seconds, got {lim.idle_timeout_s}")

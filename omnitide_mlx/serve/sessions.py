@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import MediaError
-from .config import ServeConfig, model_ref
+from .config import VOICE_NAME, ServeConfig, model_ref
 from .decode import ClientError, PushItem
 
 POLICIES = ("omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager")
@@ -259,7 +259,7 @@ class ManagedSession:
         speak = job.args.get("speak", False)
         try:
             if speak:  # loads the talker and token2wav on first use: a model step's worth of work
-                from ..speech import SpeechUnavailable
+                from ..speech import SpeechUnavailable, speech_for
 
                 try:
                     with gate.step():
@@ -267,6 +267,14 @@ class ManagedSession:
                                    **job.args["sampling"])
                 except SpeechUnavailable as e:
                     raise ClientError("speech_unavailable", f"this model cannot speak: {e}") from None
+                except ValueError:  # the model's own message names its folders: say which voices there are
+                    name = job.args.get("speaker")
+                    speakers = [str(v) for v in speech_for(s).speakers]
+                    if name is None or name in speakers or name in self.manager.config.voices.values():
+                        raise
+                    raise ClientError("bad_request", f"unknown speaker {name!r} (voices: "
+                                                     f"{', '.join(speakers + list(self.manager.config.voices))})"
+                                      ) from None
             else:
                 it = s.ask(job.args["question"], **job.args["sampling"])
         except (MediaError, ValueError) as e:
@@ -432,6 +440,18 @@ class SessionManager:
             if system is not None:
                 n += self._counter.system_unit(system, 0).length
         return n
+
+    def speaker(self, name):
+        """A client's ``speaker`` -> what ``OmniSession.ask`` gets: an operator's ``--voice`` file, or a voice
+        name of the checkpoint. Never a path from the client (MiniCPM-o would open it)."""
+        if name is None:
+            return None
+        if isinstance(name, str) and name in self.config.voices:
+            return self.config.voices[name]
+        if not isinstance(name, str) or not VOICE_NAME.match(name):
+            raise ClientError("bad_request", "speaker must be a voice name (letters, digits, '_', '-'): one of the "
+                                             "model's voices or one the server allows (--voice), not a path")
+        return name
 
     def check_prompt(self, tokens: int, counted: str = "") -> None:
         limit = self.config.limits.max_prompt_tokens

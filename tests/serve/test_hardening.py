@@ -285,3 +285,31 @@ def test_text_completions(http):
                 {"prompt": "a", "suffix": "z"}, {"prompt": "a", "best_of": 2}):
         r = http.post("/v1/completions", json={"max_tokens": 2, **bad})
         assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
+
+
+@pytest.mark.parametrize("speaker", ["../../../../etc/passwd", "/etc/hosts", "voices/../../x.safetensors",
+                                     "~/v.safetensors", "default.safetensors", "..", "", "a" * 65, "C:\\\\v"])
+def test_a_speaker_is_a_voice_name_never_a_path(server, http, speaker):
+    """MiniCPM-o reads a voice file named by ``speaker``: over the server only a name reaches it (the checkpoint's
+    voices, or those the operator allowed with --voice), so no client can make it open a file."""
+    sid = new_session(http)
+    c = Client(server, sid)
+    c.send({"type": "ask", "id": "v", "question": "Say hi.", "max_tokens": 2, "speak": True, "speaker": speaker})
+    err = c.until(lambda m: m["type"] in ("error", "answer_end"))[-1]
+    assert err["type"] == "error" and err["code"] == "bad_request" and "speaker" in err["message"], err
+    assert "/" not in err["message"].split("speaker", 1)[1].replace(speaker, "")  # no server path in the reply
+    c.close()
+    http.delete(f"/v1/sessions/{sid}")
+
+
+def test_voice_files_the_operator_allows_are_checked_before_loading(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    for flag in (f"calm={tmp_path / 'missing.safetensors'}", "calm", f"../x={tmp_path}"):
+        r = subprocess.run([sys.executable, "-m", "omnitide_mlx", "serve", "--model", str(tmp_path / "m"),
+                            "--voice", flag], capture_output=True, text=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+        assert r.returncode in (1, 2) and "--voice" in r.stderr and "loading" not in r.stderr, (flag, r.stderr)
