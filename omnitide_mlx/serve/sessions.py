@@ -257,9 +257,10 @@ class ManagedSession:
         self.manager.check_prompt(self.manager.prompt_tokens([job.args["question"]]))
         before = s.counters.decoded_tokens
         speak = job.args.get("speak", False)
+        from ..speech import SpeechUnavailable, speech_for
+
         try:
             if speak:  # loads the talker and token2wav on first use: a model step's worth of work
-                from ..speech import SpeechUnavailable, speech_for
 
                 try:
                     with gate.step():
@@ -280,6 +281,7 @@ class ManagedSession:
         except (MediaError, ValueError) as e:
             raise ClientError("bad_request", str(e)) from None
         pieces: list[str] = []
+        audio = {"next": 0, "final": False}
         self.answering = True
         self.emit({"type": "answer_start", "id": qid})
         try:
@@ -290,6 +292,7 @@ class ManagedSession:
                     break
                 if not isinstance(piece, str):  # an AudioChunk of the spoken reply
                     self.counts["audio_chunks"] += 1
+                    audio.update(next=piece.index + 1, final=piece.final)
                     self.emit({"type": "audio", "id": qid, "index": piece.index, "format": "pcm_s16le",
                                "sample_rate": piece.sample_rate, "final": piece.final, "note": piece.note,
                                "data": base64.b64encode(piece.int16().astype("<i2").tobytes()).decode()})
@@ -303,6 +306,10 @@ class ManagedSession:
             self.answering = False
         tokens = s.counters.decoded_tokens - before
         cancelled = job.cancel.is_set()
+        if speak and not audio["final"]:  # cancelled (or no speech at all): the audio still ends with a final message
+            self.emit({"type": "audio", "id": qid, "index": audio["next"], "format": "pcm_s16le",
+                       "sample_rate": speech_for(s).sample_rate, "final": True,
+                       "note": "cancelled" if cancelled else "no speech", "data": ""})
         self.counts["cancelled_answers" if cancelled else "answers"] += 1
         finish = "cancelled" if cancelled else ("length" if tokens >= job.args["sampling"]["max_tokens"] else "stop")
         return {"type": "answer_end", "id": qid, "text": "".join(pieces), "tokens": tokens, "finish_reason": finish}

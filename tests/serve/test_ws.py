@@ -291,4 +291,13 @@ def test_spoken_answers_stream_audio_chunks(tmp_path, make_server, data_dir):
     kinds = [m["type"] for m in msgs]
     assert kinds.index("audio") < max(i for i, k in enumerate(kinds) if k == "piece")
     assert msgs[-1]["text"] == "".join(m["text"] for m in msgs if m["type"] == "piece")
+    # a cancelled spoken answer still ends its audio with a final message, as the protocol promises
+    c.send({"type": "ask", "id": "w", "question": "Tell a long story.", "max_tokens": 400, "speak": True, "seed": 0})
+    c.until(lambda m: m["type"] in ("piece", "error"), timeout=240)
+    c.send({"type": "cancel", "id": "w"})
+    msgs = c.until(lambda m: m["type"] in ("answer_end", "error"), timeout=240)
+    assert msgs[-1]["type"] == "answer_end" and msgs[-1]["finish_reason"] == "cancelled", msgs[-1]
+    audio = [m for m in msgs if m["type"] == "audio"]
+    assert audio and audio[-1]["final"] and audio[-1]["id"] == "w" and not any(a["final"] for a in audio[:-1])
+    assert [a["index"] for a in audio] == sorted(a["index"] for a in audio)
     c.close()
