@@ -55,10 +55,10 @@ def parse_json(data: str | bytes, what: str):
     """JSON from a client; malformed or too deeply nested (Python's parser recurses) is a ``bad_request``."""
     try:
         return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ClientError("bad_request", f"{what} is not JSON: {e}") from None
     except RecursionError:
         raise ClientError("bad_request", f"{what} is nested too deeply") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer longer than Python converts (4300 digits)
+        raise ClientError("bad_request", f"{what} is not JSON: {str(e)[:200]}") from None
 
 
 def b64(data, what: str) -> bytes:
@@ -236,7 +236,8 @@ def unit_from_message(msg: dict, payload: bytes | None, limits: Limits) -> PushI
     if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
         raise ClientError("bad_request", "seq must be an integer")
     t = msg.get("t")
-    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0):
+    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1e12
+                          or not math.isfinite(t)):  # the range first: math.isfinite(10**400) overflows
         raise ClientError("bad_request", "t must be a non-negative number of seconds")
     item = PushItem(seq=seq, t=float(t) if t is not None else None)
     offset = 0
