@@ -9,12 +9,15 @@ question. The server fetches nothing: remote image URLs are refused.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..errors import MediaError
@@ -23,6 +26,8 @@ from .sessions import SessionManager, sampling_from
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+AUDIO_OUT = ("wav", "pcm16")  # spoken answers (OpenAI's audio output): 16-bit PCM, whole or in a WAV file
+AUDIO_OUT_STREAM = ("pcm16",)  # streamed as OpenAI streams it: base64 PCM pieces
 
 
 @dataclass
@@ -34,6 +39,9 @@ class ChatRequest:
     sampling: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    speak: bool = False  # modalities ["text", "audio"]: the answer is spoken too (OpenAI's audio output)
+    speaker: str | None = None
+    audio_format: str = "wav"
 
 
 def unsupported(body: dict) -> None:
@@ -57,12 +65,18 @@ def unsupported(body: dict) -> None:
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         refuse("logprobs / top_logprobs: this server returns no log probabilities")
     modalities = body.get("modalities")
-    if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
-        refuse("modalities: /v1/chat/completions answers in text only (modalities [\"text\"]; no audio output); "
-               "spoken answers come over a session's WebSocket (ask with speak: true)")
-    if body.get("audio") is not None:
-        refuse("audio output is not offered on /v1/chat/completions; spoken answers come over a session's "
-               "WebSocket (ask with speak: true)")
+    if modalities is not None and (not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities)
+                                   or set(modalities) - {"text", "audio"}):
+        refuse("modalities: a list of \"text\" and \"audio\"")
+    speak = modalities is not None and "audio" in modalities
+    audio = body.get("audio")
+    if speak or audio is not None:
+        if not speak or not isinstance(audio, dict):
+            refuse("audio output needs modalities [\"text\", \"audio\"] and audio {\"voice\", \"format\"}")
+        formats = AUDIO_OUT_STREAM if body.get("stream") else AUDIO_OUT
+        if audio.get("format") not in formats:
+            refuse(f"audio.format {str(audio.get('format'))[:20]!r}: spoken answers come as "
+                   f"{' or '.join(formats)}{' when streamed' if body.get('stream') else ''} (24 kHz mono)")
 
 
 def _parts(content, where: str) -> list[dict]:
@@ -99,6 +113,10 @@ def parse_chat(body: dict, manager: SessionManager) -> ChatRequest:
         raise ClientError("bad_request", "the last message must be the user's question")
     req = ChatRequest(system=None, stream=bool(body.get("stream", False)),
                       sampling=sampling_from(body, cfg.default_max_tokens, lim.max_tokens, openai=True))
+    if "audio" in (body.get("modalities") or []):
+        req.speak, req.audio_format = True, body["audio"]["format"]
+        voice = body["audio"].get("voice")
+        req.speaker = manager.speaker(voice.get("id") if isinstance(voice, dict) else voice)
     opts = body.get("stream_options") or {}
     req.include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
     system = []
@@ -192,6 +210,19 @@ def _prepare(manager: SessionManager, req: ChatRequest, cancel: threading.Event)
     return s
 
 
+def _spoken(pieces: list, fmt: str) -> bytes:
+    """The AudioChunks among ``pieces`` as 16-bit PCM, raw (``pcm16``) or in a WAV file."""
+    chunks = [p for p in pieces if not isinstance(p, str)]
+    pcm = np.concatenate([c.int16() for c in chunks]) if chunks else np.zeros(0, np.int16)
+    if fmt == "pcm16":
+        return pcm.astype("<i2").tobytes()
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, pcm, chunks[0].sample_rate if chunks else 24000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
 async def _until_disconnect(request, cancel: threading.Event) -> None:
     """Set ``cancel`` when the client goes away (the body is read: the next ASGI message is the disconnect)."""
     while True:
@@ -201,11 +232,28 @@ async def _until_disconnect(request, cancel: threading.Event) -> None:
             return
 
 
-def _answer(manager: SessionManager, s, req: ChatRequest, emit, cancel: threading.Event) -> dict:
-    """Worker thread: the answer, one gated step per token, each piece handed to ``emit``."""
+def _open_answer(manager: SessionManager, s, req: ChatRequest):
+    """Worker thread: the answer's iterator (text pieces; with ``req.speak`` AudioChunks too). A spoken answer loads
+    the speech models and checks the voice here, so its errors come before any response has started."""
+    if not req.speak:
+        return s.ask(req.question, **req.sampling)
+    from ..speech import SpeechUnavailable, speech_for
+
+    try:
+        with manager.gate.step():
+            return s.ask(req.question, speak=True, speaker=req.speaker, **req.sampling)
+    except SpeechUnavailable as e:
+        raise ClientError("speech_unavailable", f"this model cannot speak: {e}") from None
+    except ValueError:
+        voices = [str(v) for v in speech_for(s).speakers] + list(manager.config.voices)
+        raise ClientError("bad_request", f"unknown voice {req.speaker!r} (voices: {', '.join(voices)})") from None
+
+
+def _answer(manager: SessionManager, s, req: ChatRequest, it, emit, cancel: threading.Event) -> dict:
+    """Worker thread: the answer, one gated step per token, each piece (text, or an AudioChunk of a spoken answer)
+    handed to ``emit``."""
     gate = manager.gate
     before = s.counters.decoded_tokens
-    it = s.ask(req.question, **req.sampling)
     try:
         while not cancel.is_set():
             with gate.step():
@@ -237,6 +285,8 @@ def completion_as_chat(body: dict) -> dict:
         raise ClientError("unsupported", "echo: the prompt is asked as a question, not continued; it is not echoed")
     if body.get("suffix") is not None:
         raise ClientError("unsupported", "suffix: this server does no insertion")
+    if body.get("modalities") is not None or body.get("audio") is not None:
+        raise ClientError("unsupported", "modalities / audio: spoken answers come from /v1/chat/completions")
     chat = {k: v for k, v in body.items() if k not in ("prompt", "echo", "suffix", "messages")}
     chat["messages"] = [{"role": "user", "content": prompt}]
     return chat
@@ -251,6 +301,7 @@ async def chat_completions(manager: SessionManager, body: dict, request, *, text
     watcher = asyncio.create_task(_until_disconnect(request, cancel))
     try:
         s = await loop.run_in_executor(manager.executor, _prepare, manager, req, cancel)
+        it = await loop.run_in_executor(manager.executor, _open_answer, manager, s, req)
     except BaseException:
         watcher.cancel()
         manager.release_oneshot()
@@ -259,15 +310,23 @@ async def chat_completions(manager: SessionManager, body: dict, request, *, text
     created = int(time.time())
     model = manager.config.model_id
 
+    aid = f"audio_{uuid.uuid4().hex[:24]}"
     if not req.stream:
-        pieces: list[str] = []
+        pieces: list = []
         try:  # the watcher stops the answer at its next token if the client leaves
-            result = await loop.run_in_executor(manager.executor, _answer, manager, s, req, pieces.append, cancel)
+            result = await loop.run_in_executor(manager.executor, _answer, manager, s, req, it, pieces.append,
+                                                cancel)
         finally:
             watcher.cancel()
             manager.release_oneshot()
-        choice = ({"index": 0, "text": "".join(pieces), "logprobs": None} if text else
-                  {"index": 0, "message": {"role": "assistant", "content": "".join(pieces)}})
+        reply = "".join(p for p in pieces if isinstance(p, str))
+        if req.speak:  # OpenAI's audio output: the text is the audio's transcript
+            message = {"role": "assistant", "content": None, "audio": {
+                "id": aid, "expires_at": created + 3600, "transcript": reply,
+                "data": base64.b64encode(_spoken(pieces, req.audio_format)).decode()}}
+        else:
+            message = {"role": "assistant", "content": reply}
+        choice = ({"index": 0, "text": reply, "logprobs": None} if text else {"index": 0, "message": message})
         return JSONResponse({
             "id": cid, "object": "text_completion" if text else "chat.completion", "created": created,
             "model": model, "choices": [{**choice, "finish_reason": result["finish_reason"]}],
@@ -277,7 +336,7 @@ async def chat_completions(manager: SessionManager, body: dict, request, *, text
     queue: asyncio.Queue = asyncio.Queue()
     state: dict = {"task": None}
 
-    def emit(piece: str) -> None:
+    def emit(piece) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, piece)
 
     def chunk(delta: dict, finish=None, usage=None) -> str:
@@ -293,17 +352,22 @@ async def chat_completions(manager: SessionManager, body: dict, request, *, text
         return f"data: {json.dumps(d)}\n\n"
 
     async def events():
-        task = state["task"] = loop.run_in_executor(manager.executor, _answer, manager, s, req, emit, cancel)
+        task = state["task"] = loop.run_in_executor(manager.executor, _answer, manager, s, req, it, emit, cancel)
         # the slot is given back when the worker has really stopped, however the response ended
         task.add_done_callback(lambda _: manager.release_oneshot())
         task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
         if not text:
-            yield chunk({"role": "assistant", "content": ""})
+            yield chunk({"role": "assistant", "content": None if req.speak else ""})
         while True:
             piece = await queue.get()
             if piece is None:
                 break
-            yield chunk({"content": piece})
+            if not req.speak:
+                yield chunk({"content": piece})
+            elif isinstance(piece, str):  # a spoken answer streams its text as the audio's transcript
+                yield chunk({"audio": {"id": aid, "transcript": piece}})
+            elif piece.pcm.size:
+                yield chunk({"audio": {"id": aid, "data": base64.b64encode(_spoken([piece], "pcm16")).decode()}})
         result = await task
         yield chunk({}, result["finish_reason"], result["usage"] if req.include_usage else None)
         yield "data: [DONE]\n\n"

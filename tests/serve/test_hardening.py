@@ -243,8 +243,10 @@ def test_a_session_dir_that_is_a_file_is_a_clear_error(tmp_path):
     ({"tool_choice": "required"}, "tool"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "logprobs"),
-    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ({"n": "2"}, "n"), ({"modalities": "text"}, "modalities")])
+    ({"modalities": ["text", "audio"]}, "audio"), ({"audio": {"voice": "Chelsie", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "mp3"}}, "audio.format"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "wav"}, "stream": True}, "pcm16"),
+    ({"modalities": ["video"]}, "modalities"), ({"n": "2"}, "n"), ({"modalities": "text"}, "modalities")])
 def test_openai_options_the_server_does_not_do_are_refused(http, extra, needle):
     r = _ask(http, "hi", **extra)
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported", r.text
@@ -313,3 +315,53 @@ def test_voice_files_the_operator_allows_are_checked_before_loading(tmp_path):
                             "--voice", flag], capture_output=True, text=True, timeout=60,
                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
         assert r.returncode in (1, 2) and "--voice" in r.stderr and "loading" not in r.stderr, (flag, r.stderr)
+
+
+def test_a_spoken_answer_from_a_model_without_a_talker_is_a_clear_error(http):
+    r = _ask(http, "hi", modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "speech_unavailable", r.text
+    r = _ask(http, "hi", modalities=["text", "audio"], audio={"voice": "../x", "format": "wav"})
+    assert r.status_code == 400 and "speaker" in r.json()["error"]["message"]
+    assert http.get("/health").json()["in_use"] == 0
+
+
+@pytest.mark.slow
+def test_spoken_answers_as_openai_audio_output(tmp_path, make_server, data_dir):
+    import base64
+    import io
+
+    import httpx
+    import numpy as np
+    import soundfile as sf
+
+    from omnitide_mlx.models.qwen2_5_omni.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny-speech", vocab="real", speech=True,
+                                tokenizer_dir=data_dir / "tokenizers/qwen2")
+    srv = make_server("--model", str(ckpt))
+    body = {"messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 8, "seed": 0,
+            "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "wav"}}
+    with httpx.Client(base_url=srv.url, timeout=240) as h:
+        r = h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert message["content"] is None and message["audio"]["transcript"]
+        wav, rate = sf.read(io.BytesIO(base64.b64decode(message["audio"]["data"])), dtype="int16")
+        assert rate == 24000 and wav.size > 0
+        text = h.post("/v1/chat/completions", json={**body, "modalities": ["text"], "audio": None}).json()
+        assert text["choices"][0]["message"]["content"] == message["audio"]["transcript"]  # greedy: the same reply
+        pcm, transcript = [], []
+        with h.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                             "audio": {"voice": "Chelsie", "format": "pcm16"}}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    audio = delta.get("audio") or {}
+                    transcript.append(audio.get("transcript", ""))
+                    if audio.get("data"):
+                        pcm.append(np.frombuffer(base64.b64decode(audio["data"]), "<i2"))
+        assert "".join(transcript) == message["audio"]["transcript"]
+        assert np.array_equal(np.concatenate(pcm), wav)  # seeded: the same speech, streamed
+        r = h.post("/v1/chat/completions", json={**body, "audio": {"voice": "alloy", "format": "wav"}})
+        assert r.status_code == 400 and "Chelsie" in r.json()["error"]["message"]
+        assert h.get("/health").json()["in_use"] == 0
