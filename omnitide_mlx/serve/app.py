@@ -244,6 +244,9 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
                 speak, speaker = msg.get("speak", False), msg.get("speaker")
                 if not isinstance(speak, bool):
                     raise ClientError("bad_request", "speak must be true or false")
+                if speaker is not None and not speak:
+                    raise ClientError("bad_request", "speaker picks the voice of a spoken answer: send speak: true "
+                                                     "with it")
                 speaker = manager.speaker(speaker)
                 ms.submit(Job("ask", {"id": msg.get("id"), "question": q, "sampling": sampling, "speak": speak,
                                       "speaker": speaker})).add_done_callback(

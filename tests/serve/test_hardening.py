@@ -365,3 +365,13 @@ def test_spoken_answers_as_openai_audio_output(tmp_path, make_server, data_dir):
         r = h.post("/v1/chat/completions", json={**body, "audio": {"voice": "alloy", "format": "wav"}})
         assert r.status_code == 400 and "Chelsie" in r.json()["error"]["message"]
         assert h.get("/health").json()["in_use"] == 0
+
+
+def test_a_speaker_without_speak_is_refused(server, http):
+    sid = new_session(http)
+    c = Client(server, sid)
+    c.send({"type": "ask", "id": "q", "question": "hi", "max_tokens": 2, "speaker": "Chelsie"})
+    err = c.until(lambda m: m["type"] in ("error", "answer_end"))[-1]
+    assert err["type"] == "error" and err["code"] == "bad_request" and "speak" in err["message"]
+    c.close()
+    http.delete(f"/v1/sessions/{sid}")
