@@ -78,6 +78,7 @@ def b64(data, what: str) -> bytes:
 def decode_frame(fmt: str, data: bytes, limits: Limits, width: int | None = None,
                  height: int | None = None) -> np.ndarray:
     """An ``HxWx3`` uint8 RGB frame; the pixel count is checked from the header before any decoding."""
+    fmt = {"jpg": "jpeg"}.get(fmt, fmt)
     if fmt not in FRAME_FORMATS:
         raise ClientError("bad_frame", f"frame format {fmt!r} is not one of {', '.join(FRAME_FORMATS)}")
     if fmt in ("rgb", "rgba"):
