@@ -7,7 +7,9 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -263,6 +265,44 @@ class ChunkTally:
                 f"skipped {n} s ({tracks}): {why}"]
 
 
+class StopRequest:
+    """Ctrl-C while streaming asks for a clean stop: the unit or answer token under way finishes, the stream stops
+    there and the command writes ``--json`` (marked interrupted) and ``--save-session`` as at the end, then exits
+    130. A second Ctrl-C raises KeyboardInterrupt at once. Installed only in the main thread (signal handlers can
+    be set nowhere else); elsewhere Ctrl-C keeps Python's default."""
+
+    def __init__(self, prog: str):
+        self.prog = prog
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{self.prog}: interrupted: stopping after this step and writing what was streamed (Ctrl-C again "
+              "to abort)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        return False
+
+    def sleep_until(self, deadline: float) -> None:
+        """``time.sleep`` until ``deadline`` (perf_counter) in short steps, returning early on a stop request."""
+        while not self.requested:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.1))
+
+
 def write_json_atomic(path: Path, data) -> None:
     """Write then rename: a crash never leaves half a file where results were."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -326,9 +366,10 @@ def run(args) -> int:
     answers = []
     pending = list(questions)
     wall0 = time.perf_counter()
+    stop = StopRequest("omnitide stream")
 
     def ask_due(now: float) -> None:
-        while pending and pending[0][0] <= now:
+        while pending and pending[0][0] <= now and not stop.requested:
             t, q = pending.pop(0)
             progress.clear()
             print(f"\n[{t:g}s] Q: {q}", flush=True)
@@ -338,63 +379,79 @@ def run(args) -> int:
             print(f"A: {first}", end="", flush=True)
             answer = [first]
             for piece in pieces:
+                if stop.requested:  # the reply is cut here; closing it leaves the session ready to save
+                    pieces.close()
+                    break
                 answer.append(piece)
                 print(piece, end="", flush=True)
             print(flush=True)
             answers.append({"t": t, "question": q, "answer": "".join(answer)})
+            if stop.requested:
+                answers[-1]["interrupted"] = True
 
     streamed = 0
     tally = ChunkTally(has_audio=media.audio_path is not None)
     error = None
-    try:
-        ask_due(0.0)
-        for chunk in media:
-            if args.realtime:
-                time.sleep(max(0.0, wall0 + chunk.t - time.perf_counter()))
-            try:
-                session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
-                streamed += 1
-                tally.add(chunk, media)
-            except MediaError as e:  # a bad chunk is skipped, the stream goes on
-                tally.add(chunk, media, skipped=str(e))
-                progress.write(f"skipped the chunk at {chunk.t:g}s: {e}", file=sys.stderr)
-            progress.update(1)
-            ask_due(chunk.t + 1.0)
-        ask_due(float("inf"))
-    except MediaError as e:  # the file broke mid-way: keep what was streamed and answered
-        error = e
-    finally:
-        progress.close()
+    with stop:  # Ctrl-C from here on: a clean stop, then the same --json and --save-session as at the end
+        try:
+            ask_due(0.0)
+            for chunk in media:
+                if args.realtime:
+                    stop.sleep_until(wall0 + chunk.t)
+                if stop.requested:
+                    break
+                try:
+                    session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                    streamed += 1
+                    tally.add(chunk, media)
+                except MediaError as e:  # a bad chunk is skipped, the stream goes on
+                    tally.add(chunk, media, skipped=str(e))
+                    progress.write(f"skipped the chunk at {chunk.t:g}s: {e}", file=sys.stderr)
+                progress.update(1)
+                ask_due(chunk.t + 1.0)
+                if stop.requested:
+                    break
+            ask_due(float("inf"))
+        except MediaError as e:  # the file broke mid-way: keep what was streamed and answered
+            error = e
+        finally:
+            progress.close()
 
-    s = session.stats()
-    done = tally.streamed(s["media"])
-    print("", file=sys.stderr)
-    for line in tally.summary(streamed, done, video=args.video is not None):
-        print(line, file=sys.stderr)
-    print(kv_summary(s), file=sys.stderr)
-    status = 0
-    if error is not None:
-        print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
-        status = 1
-    elif streamed == 0 and tally.skipped_units:
-        print(f"omnitide stream: nothing was streamed: the session rejected all {tally.skipped_units} chunks "
-              f"({tally.reasons[0]})", file=sys.stderr)
-        status = 1
-    if args.json:
-        if speaker.enabled:
-            for a, f in zip(answers, speaker.files):
-                a["speech"] = f
-        out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
-               "media": {"units": streamed, **done, "skipped": tally.skipped_json()}}
-        try:
-            write_json_atomic(Path(args.json).expanduser(), out)
-        except OSError as e:
-            print(f"omnitide stream: could not write --json {args.json}: {e}", file=sys.stderr)
+        s = session.stats()
+        done = tally.streamed(s["media"])
+        print("", file=sys.stderr)
+        for line in tally.summary(streamed, done, video=args.video is not None):
+            print(line, file=sys.stderr)
+        print(kv_summary(s), file=sys.stderr)
+        status = 0
+        if stop.requested:
+            print(f"omnitide stream: interrupted at {streamed} s", file=sys.stderr)
+            status = 130
+        elif error is not None:
+            print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
             status = 1
-    if args.save_session:
-        try:
-            session.save(args.save_session)
-        except OSError as e:
-            print(f"omnitide stream: could not save the session to {args.save_session}: {e}", file=sys.stderr)
+        elif streamed == 0 and tally.skipped_units:
+            print(f"omnitide stream: nothing was streamed: the session rejected all {tally.skipped_units} chunks "
+                  f"({tally.reasons[0]})", file=sys.stderr)
             status = 1
-    return status
+        if args.json:
+            if speaker.enabled:
+                for a, f in zip(answers, speaker.files):
+                    a["speech"] = f
+            out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
+                   "media": {"units": streamed, **done, "skipped": tally.skipped_json()}}
+            if stop.requested:
+                out["interrupted"] = True
+                out["unasked"] = [{"t": t, "question": q} for t, q in pending]
+            try:
+                write_json_atomic(Path(args.json).expanduser(), out)
+            except OSError as e:
+                print(f"omnitide stream: could not write --json {args.json}: {e}", file=sys.stderr)
+                status = 1
+        if args.save_session:
+            try:
+                session.save(args.save_session)
+            except OSError as e:
+                print(f"omnitide stream: could not save the session to {args.save_session}: {e}", file=sys.stderr)
+                status = 1
+        return status
