@@ -139,6 +139,14 @@ def run(args) -> int:
         print("omnitide eval: choose streamingbench, svbench, livesports, study or table (see --help)",
               file=sys.stderr)
         return 2
+    if getattr(args, "out", None) is not None:  # a run folder that cannot be made fails before any work
+        from .options import check_output_dir
+
+        try:
+            check_output_dir(args.out, "--out")
+        except UsageError as e:
+            print(f"omnitide eval: {e}", file=sys.stderr)
+            return 2
     return args._eval(args)
 
 

@@ -6,7 +6,7 @@ import sys
 import time
 
 from .options import (UsageError, add_kv_arguments, add_media_arguments, add_model_arguments, add_progress_argument,
-                      add_sampling_arguments, sampling_kwargs)
+                      add_sampling_arguments, check_stop_strings, sampling_kwargs)
 from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args
 from .stream import check_model, session_from_args
 
@@ -45,6 +45,7 @@ def run(args) -> int:
         print("omnitide generate: --prompt is empty", file=sys.stderr)
         return 2
     try:
+        check_stop_strings(args)
         check_speech_args(args)
     except UsageError as e:
         print(f"omnitide generate: {e}", file=sys.stderr)

@@ -249,8 +249,38 @@ def check_output_dir(path: str | None, flag: str) -> Path | None:
     return p
 
 
+def check_session_dir(path: str | None, flag: str = "--save-session") -> Path | None:
+    """An output folder for a saved session: new, empty, or an earlier saved session (a save replaces the folder
+    as a whole, so a folder holding anything else is refused before the stream, not after it)."""
+    p = check_output_dir(path, flag)
+    if p is not None and p.is_dir():
+        from ..streaming.persist import SESSION_FILES  # the file names only: persist's own imports are light
+
+        other = sorted(q.name for q in p.iterdir() if q.name not in SESSION_FILES)
+        if other:
+            shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+            raise UsageError(f"{flag} {p} exists and is not a saved session (it holds {shown}): choose a new folder")
+    return p
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps")
+
+
+def check_plot_file(path: str | None, flag: str = "--plot") -> Path | None:
+    """An output file for a figure, named with a format matplotlib writes (it infers the format from the name)."""
+    p = check_output_file(path, flag)
+    if p is not None and p.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise UsageError(f"{flag} {p}: cannot write a figure as {p.suffix or 'a file without an extension'!r}; "
+                         f"name it .png, .pdf or .svg (or {', '.join('.' + f for f in PLOT_FORMATS[3:])})")
+    return p
+
+
 def _check_creatable(folder: Path, flag: str, target: Path) -> None:
-    """The nearest existing ancestor of ``folder`` must be a writable folder."""
+    """The nearest existing ancestor of ``folder`` must be a folder we can create things in: tried by creating
+    (and removing) an empty folder there, since permission bits say yes to root on read-only file systems and in
+    /proc."""
+    import tempfile
+
     q = folder if str(folder) else Path(".")
     while not q.exists():
         if q.parent == q:
@@ -258,8 +288,17 @@ def _check_creatable(folder: Path, flag: str, target: Path) -> None:
         q = q.parent
     if not q.is_dir():
         raise UsageError(f"{flag} {target}: {q} is not a folder")
-    if not os.access(q, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {target}: {q} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".omnitide-write-check-", dir=q))
+    except OSError:
+        raise UsageError(f"{flag} {target}: {q} is not writable") from None
+
+
+def check_stop_strings(args) -> None:
+    """``--stop`` texts: an empty one would end every answer before its first token."""
+    if any(s == "" for s in getattr(args, "stop", None) or []):
+        raise UsageError("--stop: empty text (it would stop every answer before its first word); give the text "
+                         "that ends an answer")
 
 
 _CLOCK = re.compile(r"^\s*(?:(?:(\d+):)?(\d+):(?=[0-5]\d(?:\.\d*)?\s*:))?(\d+(?:\.\d*)?)\s*:(.*)$", re.S)

@@ -18,6 +18,7 @@ from ..core.stream_units import MediaSetting
 from .options import add_media_arguments, media_setting  # noqa: I001
 from .options import (POLICIES, UsageError, add_model_arguments, add_policy_arguments,  # noqa: F401
                       add_progress_argument, add_sampling_arguments, check_output_dir, check_output_file,
+                      check_session_dir, check_stop_strings,
                       parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
 from .options import add_kv_arguments, kv_kwargs
 
@@ -74,7 +75,8 @@ def check_args(args) -> None:
     if getattr(args, "backend", "mlx") != "torch" and getattr(args, "device", None):
         raise UsageError("--device applies to --backend torch (MLX picks its own device)")
     check_output_file(getattr(args, "json", None), "--json")
-    check_output_dir(getattr(args, "save_session", None), "--save-session")
+    check_session_dir(getattr(args, "save_session", None), "--save-session")
+    check_stop_strings(args)
     kv_kwargs(args)
     if hasattr(args, "speak"):
         check_speech_args(args)
