@@ -112,3 +112,20 @@ def test_doctor_from_an_unwritable_folder(capsys):
     r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=_unwritable(), timeout=120)
     assert "Traceback" not in r.stderr and r.returncode == 0, r.stderr
     assert "omnitide-doctor.json" in r.stderr.splitlines()[0] and "result:" in r.stdout
+
+
+def test_live_demo_without_a_camera_fails_before_loading(tiny_checkpoints):
+    """Before: "cannot open camera 0" from the capture thread after the model had loaded, then exit 0."""
+    import cv2
+
+    cap = cv2.VideoCapture(0)
+    if cap.isOpened():
+        cap.release()
+        pytest.skip("this machine has a camera 0")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "examples/live_demo.py", "--model", tiny_checkpoints["qwen"], "--no-mic",
+                        "--seconds", "2"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 1, r.stderr
+    assert "cannot open camera 0" in r.stderr and "--source" in r.stderr and "loading" not in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
