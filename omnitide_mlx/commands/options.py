@@ -17,8 +17,7 @@ from pathlib import Path
 from ..errors import OmniTideError
 
 POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
-DEFAULT_HIGH, DEFAULT_LOW = 2500, 1800  # the paper's watermarks (core.pick.RetentionPolicy's defaults)
-LOW_RATIO = 0.72  # low / high when only one number is given (--high alone, --max-kv-size, --kv-budget): 1800/2500
+from ..core.watermarks import DEFAULT_HIGH, DEFAULT_LOW, LOW_RATIO  # noqa: F401  (the watermark rule's numbers)
 LOW_PCT = f"{LOW_RATIO:.0%}%"  # for argparse help, where % must be doubled
 MAX_KV_BUDGET = 1 << 50  # 1 PiB: anything larger is a typo, not a budget
 
@@ -210,15 +209,12 @@ def resolve_watermarks(args) -> tuple[int | None, int | None]:
         return None, None
     if max_kv is not None:
         high = max_kv
-    if high is not None and low is None:
-        low = max(1, int(high * LOW_RATIO))
-    elif high is None and low is not None:
-        if low > DEFAULT_HIGH:
-            raise UsageError(f"--low {low} is above the default high watermark {DEFAULT_HIGH}: give --high too")
-        high = DEFAULT_HIGH
-    if high is not None and low > high:
-        raise UsageError(f"--low {low} is above --high {high}: the low watermark is a trim's target, below the high")
-    return high, low
+    from ..core.watermarks import WatermarkError, watermarks  # the rule OmniSession and the server use
+
+    try:
+        return watermarks(high, low, names=("--max-kv-size" if max_kv is not None else "--high", "--low"))
+    except WatermarkError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_output_file(path: str | None, flag: str) -> Path | None:
