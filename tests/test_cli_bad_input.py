@@ -129,3 +129,27 @@ def test_live_demo_without_a_camera_fails_before_loading(tiny_checkpoints):
     assert r.returncode == 1, r.stderr
     assert "cannot open camera 0" in r.stderr and "--source" in r.stderr and "loading" not in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_kv_group_size_without_kv_bits_is_refused(tiny_checkpoints, media_dir, capsys):
+    _refused(capsys, ["stream", "--model", tiny_checkpoints["qwen"], "--audio", media_dir / "tone_440_1s_16k.wav",
+                      "--kv-group-size", "32"], "--kv-group-size goes with --kv-bits")
+
+
+def test_the_full_policy_summary_shows_no_watermarks():
+    from omnitide_mlx.commands.stream import kv_summary
+
+    s = {"retained_cells": 10, "kv_bytes_per_token": 4, "physical_span": 16, "active_pages": 1, "kv_bytes": 256,
+         "units": 2, "evictions": 0, "evicted_tokens": 0, "migrations": 0, "migrated_cells": 0, "high": 2500,
+         "low": 1800}
+    assert kv_summary({**s, "policy": "full"}).endswith("policy full (no eviction)")
+    assert kv_summary({**s, "policy": "fifo"}).endswith("policy fifo (high 2500, low 1800)")
+
+
+def test_a_speaker_without_speak_is_refused(tiny_checkpoints):
+    from omnitide_mlx import OmniSession
+
+    s = OmniSession(tiny_checkpoints["qwen"])
+    with pytest.raises(ValueError, match="speak=True"):
+        s.ask("Hi", speaker="Chelsie")
+    assert "".join(s.ask("Hi", max_tokens=2)) is not None  # the session is still usable

@@ -289,7 +289,9 @@ def _run_text_experiment(args) -> int:
 
 def _kv_config(args) -> dict:
     """The study configs' quantised-KV fields from --kv-bits / --kv-group-size / --kv-keep-sinks-full."""
-    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+    if args.kv_group_size is not None and args.kv_bits is None:
+        raise ValueError("--kv-group-size goes with --kv-bits (it sets the quantisation group)")
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or 64,
             "kv_keep_sinks_full": bool(args.kv_keep_sinks_full)}
 
 

@@ -117,8 +117,8 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     """Quantised KV flags, named as mlx-lm names them (``--kv-bits``, ``--kv-group-size``)."""
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
                    help="hold the KV cache quantised to 8 or 4 bits (default: the model's float dtype)")
-    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
-                   help="quantisation group size along the head dimension (default 64)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=None,
+                   help="with --kv-bits: quantisation group size along the head dimension (default 64)")
     p.add_argument("--kv-keep-sinks-full", action="store_true",
                    help="with --kv-bits: keep the system prefix (the attention sinks) in full precision")
 
@@ -126,10 +126,13 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
 def kv_kwargs(args) -> dict:
     """``OmniSession`` keywords of the quantised KV flags (checked: --kv-keep-sinks-full needs --kv-bits; the torch
     backend holds float K/V only)."""
-    kv = dict(kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64),
+    group = getattr(args, "kv_group_size", None)
+    kv = dict(kv_bits=getattr(args, "kv_bits", None), kv_group_size=64 if group is None else group,
               kv_keep_sinks_full=getattr(args, "kv_keep_sinks_full", False))
     if kv["kv_keep_sinks_full"] and kv["kv_bits"] is None:
         raise UsageError("--kv-keep-sinks-full goes with --kv-bits")
+    if group is not None and kv["kv_bits"] is None:
+        raise UsageError("--kv-group-size goes with --kv-bits (it sets the quantisation group)")
     if getattr(args, "backend", "mlx") == "torch":
         if kv["kv_bits"] is not None:
             raise UsageError("--kv-bits: the torch backend holds float K/V only (docs/torch.md)")

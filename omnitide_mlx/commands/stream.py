@@ -106,7 +106,7 @@ def check_kv_budget(args, media, asks: bool = False) -> None:
     need = kv_need(resolve_model_path(args.model), media=media_setting(args) if hasattr(args, "preset") else None,
                    frame_size=(info.width, info.height) if info is not None else None, frame=info is not None,
                    audio=media.audio_path is not None, kv_bits=getattr(args, "kv_bits", None),
-                   kv_group_size=getattr(args, "kv_group_size", 64))
+                   kv_group_size=getattr(args, "kv_group_size", None) or 64)
     if need is None:
         return
     reply = args.max_tokens + REPLY_CLOSING_RESERVE if asks else 0
@@ -199,8 +199,8 @@ def kv_summary(s: dict) -> str:
     return (f"KV: {s['retained_cells']} tokens retained ({retained / 2**20:.2f} MiB) in a span of "
             f"{s['physical_span']} slots, {s['active_pages']} active pages; capacity {s['kv_bytes'] / 2**20:.2f} MiB "
             f"allocated; {s['units']} units, {s['evictions']} evictions ({s['evicted_tokens']} tokens), "
-            f"{s['migrations']} migrations ({s['migrated_cells']} cells); policy {s['policy']} (high {s['high']}, "
-            f"low {s['low']})")
+            f"{s['migrations']} migrations ({s['migrated_cells']} cells); policy {s['policy']} "
+            + ("(no eviction)" if s["policy"] == "full" else f"(high {s['high']}, low {s['low']})"))
 
 
 class ChunkTally:
