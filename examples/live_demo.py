@@ -23,10 +23,9 @@ import threading
 import time
 
 from omnitide_mlx.commands.options import (UsageError, add_kv_arguments, add_media_arguments, add_policy_arguments,
-                                           add_sampling_arguments, kv_kwargs, media_setting, parse_questions,
-                                           positive_float, resolve_watermarks,
-                                           sampling_kwargs)
-from omnitide_mlx.errors import MediaError
+                                           add_sampling_arguments, check_stop_strings, kv_kwargs, media_setting,
+                                           parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
+from omnitide_mlx.errors import MediaError, OmniTideError
 
 
 class Console:
@@ -173,6 +172,12 @@ def main(argv=None) -> int:
     try:  # every flag checked before the model loads
         scripted = parse_questions(args.ask)
         args.high, args.low = resolve_watermarks(args)
+        check_stop_strings(args)
+        if args.speaker is not None and not args.speak:
+            raise UsageError("--speaker needs --speak")
+        from omnitide_mlx.commands.stream import check_kv_group
+
+        check_kv_group(args)  # from config.json: a quantisation group that cannot divide the head
         kv = kv_kwargs(args)
         media = media_setting(args)
         if args.source is not None:
@@ -182,6 +187,9 @@ def main(argv=None) -> int:
     except (UsageError, MediaError) as e:
         print(f"live_demo: {e}", file=sys.stderr)
         return 2
+    except OmniTideError as e:  # a model path that does not resolve
+        print(f"live_demo: {e}", file=sys.stderr)
+        return 1
     capture = None
     if args.source is None:
         try:

@@ -91,6 +91,36 @@ def check_model(args) -> None:
     resolve_model_path(args.model)
 
 
+KV_GROUP_SIZES = (32, 64, 128)  # the group sizes MLX quantises in
+
+
+def check_kv_group(args) -> None:
+    """``--kv-bits``: the quantisation group must divide the checkpoint's K/V head (from config.json, before the
+    model loads). Without ``--kv-group-size`` the group is 64, or 32 where 64 does not divide the head."""
+    if getattr(args, "kv_bits", None) is None or getattr(args, "backend", "mlx") == "torch":
+        return
+    from ..models.budget import kv_need
+    from ..models.loading import resolve_model_path
+
+    need = kv_need(resolve_model_path(args.model), frame=False, audio=True)
+    if need is None or not need.head_dim:
+        return
+    hd, given = need.head_dim, getattr(args, "kv_group_size", None)
+    fits = [g for g in KV_GROUP_SIZES if hd % g == 0]
+    if given is None and fits:
+        args.kv_group_size = 64 if 64 in fits else fits[0]
+        return
+    if given in fits:
+        return
+    if not fits:
+        raise UsageError(f"--kv-bits: this checkpoint's K/V heads are {hd} wide (head_dim {hd}) and MLX quantises in "
+                         f"groups of {', '.join(map(str, KV_GROUP_SIZES))} along the head, so quantised KV needs a "
+                         "head_dim that is a multiple of 32 (the released Qwen2.5-Omni and MiniCPM-o have 128; "
+                         "scripts/make_tiny_checkpoints.py writes tiny ones with 32)")
+    raise UsageError(f"--kv-group-size {given} does not divide this checkpoint's head_dim {hd}: give "
+                     + " or ".join(f"--kv-group-size {g}" for g in fits))
+
+
 def check_kv_budget(args, media, asks: bool = False) -> None:
     """``--kv-budget`` against what the stream needs, from the checkpoint's files alone (config.json, the
     safetensors headers, the model's unit layout at the video's frame size): a budget that cannot hold the system
@@ -345,6 +375,7 @@ def run(args) -> int:
     bytes_per_token = 0
     try:
         check_model(args)  # a wrong model name fails before any media is decoded
+        check_kv_group(args)  # from config.json: a group that cannot divide the head fails before loading
         media = MediaStream(args.video, args.audio, seconds=args.seconds)  # both files checked, nothing decoded
         check_kv_budget(args, media, asks=bool(questions))  # from the checkpoint's files, before it loads
         session = session_from_args(args, on_update=on_update)
