@@ -153,3 +153,9 @@ def test_a_speaker_without_speak_is_refused(tiny_checkpoints):
     with pytest.raises(ValueError, match="speak=True"):
         s.ask("Hi", speaker="Chelsie")
     assert "".join(s.ask("Hi", max_tokens=2)) is not None  # the session is still usable
+
+
+def test_a_question_past_the_end_of_the_stream_is_refused(tiny_checkpoints, media_dir, capsys):
+    base = ["stream", "--model", tiny_checkpoints["qwen"], "--video", media_dir / "video_10s_av.mp4"]
+    _refused(capsys, base + ["--ask", "60:q", "--seconds", "3"], "past the end")
+    _refused(capsys, base + ["--ask", "1:00:q"], "past the end")

@@ -91,6 +91,17 @@ def check_model(args) -> None:
     resolve_model_path(args.model)
 
 
+def check_question_times(questions, units: int) -> None:
+    """A question is asked once the stream reaches its time; one past the last unit would be asked at the end as
+    if on time, so it is refused before the model loads."""
+    late = [(t, q) for t, q in questions if t > units]
+    if late:
+        t, q = late[0]
+        raise UsageError(f"--ask {t:g}:{q!r} is past the end of the stream at {units} s"
+                         + (f" ({len(late)} questions are)" if len(late) > 1 else "")
+                         + ": ask at most at its end, or stream longer")
+
+
 KV_GROUP_SIZES = (32, 64, 128)  # the group sizes MLX quantises in
 
 
@@ -377,6 +388,7 @@ def run(args) -> int:
         check_model(args)  # a wrong model name fails before any media is decoded
         check_kv_group(args)  # from config.json: a group that cannot divide the head fails before loading
         media = MediaStream(args.video, args.audio, seconds=args.seconds)  # both files checked, nothing decoded
+        check_question_times(questions, media.units)
         check_kv_budget(args, media, asks=bool(questions))  # from the checkpoint's files, before it loads
         session = session_from_args(args, on_update=on_update)
         speaker = SpokenAnswers(session, args, "omnitide stream")
