@@ -213,6 +213,8 @@ def report(result: dict) -> str:
              f"machine: {v['platform']}; {v['cpu']}, {v['cpus']} CPUs",
              f"device: {dev['default']} (Metal {'available' if dev['metal'] else 'not available'}); memory "
              f"{size(mem.get('total_bytes'))} total, {size(mem.get('available_bytes'))} available"]
+    if result.get("blas"):
+        lines.append(f"BLAS (MLX's CPU backend): {result['blas']['in_use']}")
     if dev.get("metal_info"):
         mi = dev["metal_info"]
         lines.append(f"gpu: {mi.get('architecture', '?')}, recommended working set "
@@ -249,7 +251,9 @@ def report(result: dict) -> str:
 def doctor(*, dtypes=DTYPES, model: str | None = None, emulator: bool = True, timing: bool = True) -> dict:
     from ..bench.common import versions
 
-    result = {"versions": versions(), "device": _device(), "memory": _memory()}
+    from ..blas import blas_info
+
+    result = {"versions": versions(), "device": _device(), "memory": _memory(), "blas": blas_info()}
     tests, note = self_tests(dtypes, emulator=emulator)
     result["self_tests"] = tests
     result["emulator_note"] = note
