@@ -23,8 +23,8 @@ import threading
 import time
 
 from omnitide_mlx.commands.options import (UsageError, add_kv_arguments, add_media_arguments, add_policy_arguments,
-                                           add_sampling_arguments, check_stop_strings, kv_kwargs, media_setting,
-                                           parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
+                                           add_sampling_arguments, check_output_dir, check_stop_strings, kv_kwargs,
+                                           media_setting, parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
 from omnitide_mlx.errors import MediaError, OmniTideError
 
 
@@ -175,6 +175,8 @@ def main(argv=None) -> int:
         check_stop_strings(args)
         if args.speaker is not None and not args.speak:
             raise UsageError("--speaker needs --speak")
+        if args.speak:
+            check_output_dir(args.audio_out, "--audio-out")  # before the model loads, not at the first answer
         from omnitide_mlx.commands.stream import check_kv_group
 
         check_kv_group(args)  # from config.json: a quantisation group that cannot divide the head

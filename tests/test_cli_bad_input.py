@@ -159,3 +159,17 @@ def test_a_question_past_the_end_of_the_stream_is_refused(tiny_checkpoints, medi
     base = ["stream", "--model", tiny_checkpoints["qwen"], "--video", media_dir / "video_10s_av.mp4"]
     _refused(capsys, base + ["--ask", "60:q", "--seconds", "3"], "past the end")
     _refused(capsys, base + ["--ask", "1:00:q"], "past the end")
+
+
+def test_live_demo_checks_its_speech_and_stop_flags_before_loading(tiny_checkpoints, media_dir, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    for extra, message in ((["--speak", "--audio-out", a_file / "answers"], "is not a folder"),
+                           (["--speaker", "Ethan"], "--speaker needs --speak"),
+                           (["--stop", ""], "--stop"),
+                           (["--kv-group-size", "32"], "--kv-group-size goes with --kv-bits")):
+        r = subprocess.run([sys.executable, "examples/live_demo.py", "--model", tiny_checkpoints["qwen"], "--source",
+                            media_dir / "video_10s_av.mp4", *map(str, extra)], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and message in r.stderr and "loading" not in r.stderr, (extra, r.stderr)
