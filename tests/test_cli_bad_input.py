@@ -173,3 +173,13 @@ def test_live_demo_checks_its_speech_and_stop_flags_before_loading(tiny_checkpoi
                             media_dir / "video_10s_av.mp4", *map(str, extra)], capture_output=True, text=True,
                            timeout=120, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
         assert r.returncode == 2 and message in r.stderr and "loading" not in r.stderr, (extra, r.stderr)
+
+
+def test_outputs_that_would_collide_are_refused(tiny_checkpoints, media_dir, tmp_path, capsys):
+    """`--json X --save-session X` wrote the JSON, then the save met a file (a traceback after the stream); answers
+    written into the session folder made the save refuse it."""
+    base = ["stream", "--model", tiny_checkpoints["qwen"], "--video", media_dir / "video_10s_av.mp4"]
+    sess = tmp_path / "sess"
+    for extra in (["--json", sess, "--save-session", sess], ["--json", sess / "out.json", "--save-session", sess],
+                  ["--speak", "--audio-out", sess, "--save-session", sess]):
+        _refused(capsys, base + extra, "--save-session")

@@ -80,6 +80,26 @@ def check_args(args) -> None:
     kv_kwargs(args)
     if hasattr(args, "speak"):
         check_speech_args(args)
+    _check_outputs_apart(args)
+
+
+def _check_outputs_apart(args) -> None:
+    """``--save-session`` replaces its folder as a whole: ``--json`` or the spoken answers there would be lost
+    (or make the save refuse the folder after the whole stream)."""
+    sess = getattr(args, "save_session", None)
+    if sess is None:
+        return
+    folder = Path(sess).expanduser().resolve()
+    others = [("--json", getattr(args, "json", None))]
+    if getattr(args, "speak", False):
+        others.append(("--audio-out", args.audio_out))
+    for flag, path in others:
+        if path is None:
+            continue
+        p = Path(path).expanduser().resolve()
+        if p == folder or folder in p.parents:
+            raise UsageError(f"--save-session {sess}: {flag} {path} is in the session's folder, which a save "
+                             "replaces as a whole: write it elsewhere")
 
 
 def check_model(args) -> None:
@@ -356,7 +376,7 @@ def write_json_atomic(path: Path, data) -> None:
 
 
 def run(args) -> int:
-    from ..errors import MediaError
+    from ..errors import MediaError, SessionError
     from ..media import MediaStream
     from ..models.loading import CheckpointError
 
@@ -496,7 +516,7 @@ def run(args) -> int:
         if args.save_session:
             try:
                 session.save(args.save_session)
-            except OSError as e:
+            except (OSError, SessionError) as e:
                 print(f"omnitide stream: could not save the session to {args.save_session}: {e}", file=sys.stderr)
                 status = 1
         return status
