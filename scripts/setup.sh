@@ -4,7 +4,8 @@
 #           Debian/Ubuntu as root, clang for the Metal-kernel checks and chromium + chromium-driver for the
 #           `omnitide serve` page test (headless, with a fake camera and microphone).
 # On Debian/Ubuntu as root it installs OpenBLAS too: MLX's CPU wheel links a slow reference BLAS, and
-# scripts/blas_env.sh preloads OpenBLAS instead (55-67x faster float32 matmul).
+# `import omnitide_mlx` loads OpenBLAS before MLX instead (omnitide_mlx/blas.py; about 20x faster float32 matmul).
+# It first checks for Python 3.10+ and, on a Mac, Apple silicon (--check-python: only that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEV=0
