@@ -23,10 +23,9 @@ import threading
 import time
 
 from omnitide_mlx.commands.options import (UsageError, add_kv_arguments, add_media_arguments, add_policy_arguments,
-                                           add_sampling_arguments, kv_kwargs, media_setting, parse_questions,
-                                           positive_float, resolve_watermarks,
-                                           sampling_kwargs)
-from omnitide_mlx.errors import MediaError
+                                           add_sampling_arguments, check_output_dir, check_stop_strings, kv_kwargs,
+                                           media_setting, parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
+from omnitide_mlx.errors import MediaError, OmniTideError
 
 
 class Console:
@@ -73,9 +72,9 @@ class Console:
         return "".join(out)
 
 
-def capture_loop(session, args, stop: threading.Event, clock: dict) -> None:
-    """Push a chunk a second from the camera/microphone or from --source, paced in real time."""
-    from omnitide_mlx.media import LiveCapture, MediaStream
+def capture_loop(session, args, stop: threading.Event, clock: dict, capture=None) -> None:
+    """Push a chunk a second from ``capture`` (the camera/microphone) or from --source, paced in real time."""
+    from omnitide_mlx.media import MediaStream
 
     try:
         if args.source:
@@ -87,7 +86,7 @@ def capture_loop(session, args, stop: threading.Event, clock: dict) -> None:
                 session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
                 clock["t"] = chunk.t + 1
         else:
-            with LiveCapture(camera=args.camera, microphone=not args.no_mic) as cap:
+            with capture as cap:  # opened by main() before the model loaded
                 for chunk in cap.chunks():
                     if stop.is_set() or (args.seconds and chunk.t >= args.seconds):
                         break
@@ -95,8 +94,22 @@ def capture_loop(session, args, stop: threading.Event, clock: dict) -> None:
                     clock["t"] = chunk.t + 1
     except MediaError as e:
         print(f"\ncapture stopped: {e}", file=sys.stderr)
+        clock["error"] = str(e)
     finally:
         clock["done"] = True
+
+
+def open_capture(args):
+    """The camera (and microphone) opened before the model loads: a machine without them fails at once, with a
+    way out, instead of after loading."""
+    from omnitide_mlx.media import LiveCapture
+
+    cap = LiveCapture(camera=args.camera, microphone=not args.no_mic)
+    try:
+        return cap.__enter__()
+    except MediaError as e:
+        cap.__exit__(None, None, None)
+        raise MediaError(f"{e} (no camera here? stream a video file with --source FILE)") from None
 
 
 def ask(session, q: str, args, n: int):
@@ -159,6 +172,14 @@ def main(argv=None) -> int:
     try:  # every flag checked before the model loads
         scripted = parse_questions(args.ask)
         args.high, args.low = resolve_watermarks(args)
+        check_stop_strings(args)
+        if args.speaker is not None and not args.speak:
+            raise UsageError("--speaker needs --speak")
+        if args.speak:
+            check_output_dir(args.audio_out, "--audio-out")  # before the model loads, not at the first answer
+        from omnitide_mlx.commands.stream import check_kv_group
+
+        check_kv_group(args)  # from config.json: a quantisation group that cannot divide the head
         kv = kv_kwargs(args)
         media = media_setting(args)
         if args.source is not None:
@@ -168,6 +189,16 @@ def main(argv=None) -> int:
     except (UsageError, MediaError) as e:
         print(f"live_demo: {e}", file=sys.stderr)
         return 2
+    except OmniTideError as e:  # a model path that does not resolve
+        print(f"live_demo: {e}", file=sys.stderr)
+        return 1
+    capture = None
+    if args.source is None:
+        try:
+            capture = open_capture(args)
+        except MediaError as e:
+            print(f"live_demo: {e}", file=sys.stderr)
+            return 1
 
     from omnitide_mlx import OmniSession
     from omnitide_mlx.commands.stream import announce
@@ -179,12 +210,14 @@ def main(argv=None) -> int:
                                   kv_budget=args.kv_budget, on_update=console.update,
                                   media=None if media == type(media)() else media, **kv)
     except ValueError as e:
+        if capture is not None:
+            capture.__exit__(None, None, None)
         print(f"live_demo: {e}", file=sys.stderr)
         return 1
     console.bytes_per_token = session.stats()["kv_bytes_per_token"]
     stop = threading.Event()
-    clock = {"t": 0.0, "done": False}
-    producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock), daemon=True)
+    clock = {"t": 0.0, "done": False, "error": None}
+    producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock, capture), daemon=True)
     producer.start()
 
     questions: queue.Queue[str] = queue.Queue()
@@ -223,7 +256,7 @@ def main(argv=None) -> int:
     print(f"\n{s['units']} units, {s['retained_cells']} tokens retained "
           f"({s['retained_cells'] * s['kv_bytes_per_token'] / 2**20:.2f} MiB; capacity {s['kv_bytes'] / 2**20:.2f} "
           f"MiB), {s['evictions']} evictions, {s['migrations']} migrations", file=sys.stderr)
-    return 0
+    return 1 if clock["error"] else 0
 
 
 if __name__ == "__main__":

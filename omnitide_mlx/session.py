@@ -156,6 +156,8 @@ class OmniSession(StreamingSession):
         speech where those options leave its seeds unset). A checkpoint
         without a talker raises ``SpeechUnavailable`` and an unknown speaker ``ValueError``, before anything runs."""
         if not speak:
+            if speaker is not None or speech is not None:  # not silently ignored: a spoken answer was meant
+                raise ValueError("speaker= / speech= go with speak=True")
             return super().ask(question, **kwargs)
         from dataclasses import replace
 

@@ -30,10 +30,13 @@ def test_doctor_runs_and_reports(tiny_checkpoints, tmp_path):
 
 
 def test_bad_flags_fail_before_anything_runs(tmp_path):
-    r = omnitide("doctor", "--dtypes", "int8", "--json", tmp_path / "no" / "such" / "dir.json",
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    r = omnitide("doctor", "--dtypes", "int8", "--json", a_file / "dir.json",
                  "--model", "missing-model")
     assert r.returncode == 2 and not r.stdout
-    for msg in ("--dtypes: choose from", "--json: cannot write into", "--model: no such checkpoint"):
+    for msg in ("--dtypes: choose from", f"--json {a_file / 'dir.json'}: {a_file} is not a folder",
+                "--model: no such checkpoint"):
         assert msg in r.stderr
 
 

@@ -36,3 +36,16 @@ def test_engine_soak_with_producer_and_abandoning_consumer():
     assert res["flat"]["kv_bytes"]["flat"]  # (retained cells saw-tooth; too few windows here to fit a slope)
     assert res["peak"]["retained_cells"] <= 300 + 200  # high plus the largest unit (150 tokens) and a question
     assert res["peak"]["kv_bytes"] <= res["capacity_bound"] * res["kv_bytes_per_token"]
+
+
+@pytest.mark.slow
+def test_a_spoken_session_at_stream_speed_stays_flat():
+    """The spoken soak (issue 32), cut to fit CI: 600 one-second audio units (ten minutes of stream) and a question
+    answered in speech every 60 s; `python -m omnitide_mlx.eval.soak spoken` runs the hour (docs/benchmarks.md)."""
+    from omnitide_mlx.eval.soak import spoken_soak
+
+    res = spoken_soak(600, question_every=60, window=60)
+    assert len(res["replies"]) == 10 and all(r["audio_samples"] > 0 for r in res["replies"])
+    assert res["flat"]["kv_bytes"]["flat"] and res["flat"]["rss_bytes"]["flat"], res["flat"]
+    assert res["peak"]["kv_bytes"] <= res["capacity_bound"] * res["kv_bytes_per_token"]
+    assert res["peak"]["retained_cells"] <= 400 + 200

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omnitide_mlx.bench import BENCHMARKS
 
-    from .options import UsageError, check_output_file
+    from .options import UsageError, check_output_file, check_plot_file
 
     name = getattr(args, "_bench_name", None)
     if not name:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:  # an unusable output path fails before the benchmark runs, not after
         check_output_file(getattr(args, "json_path", None), "--json")
-        check_output_file(getattr(args, "plot", None), "--plot")
+        check_plot_file(getattr(args, "plot", None), "--plot")
     except UsageError as e:
         args._bench_parser.error(str(e))
     if getattr(args, "backend", "mlx") == "torch":

@@ -55,7 +55,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.model or not args.mlx_path:
         print("error: --model (--hf-path) and --mlx-path are required (or --token2wav DIR)", file=sys.stderr)
         return 2
-    dst = Path(args.mlx_path).expanduser()
+    from .options import UsageError, check_output_dir
+
+    try:
+        dst = check_output_dir(args.mlx_path, "--mlx-path")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         src = resolve_model_path(args.model)
         if dst.resolve() == src.resolve():

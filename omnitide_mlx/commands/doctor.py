@@ -29,10 +29,11 @@ example:
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM = 128  # both benchmark shapes (and every supported model)
 TIMING_SHAPE = ("qwen2.5-omni-7b", 28, 4, HEAD_DIM)
+DEFAULT_JSON = "omnitide-doctor.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", dest="json_path", default="omnitide-doctor.json",
+    p.add_argument("--json", dest="json_path", default=DEFAULT_JSON,
                    help="write the full result here (default omnitide-doctor.json; '-' for none)")
     p.add_argument("--model", default=None, help="also load this checkpoint and stream one unit")
     p.add_argument("--dtypes", default=",".join(DTYPES),
@@ -50,9 +51,17 @@ def _check_args(args) -> list[str]:
     if bad or not dts:
         errors.append(f"--dtypes: choose from {', '.join(DTYPES)} (got {args.dtypes!r})")
     if args.json_path != "-":
-        parent = Path(args.json_path).expanduser().resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            errors.append(f"--json: cannot write into {parent}")
+        from .options import UsageError, check_output_file
+
+        try:
+            check_output_file(args.json_path, "--json")
+        except UsageError as e:
+            if args.json_path != DEFAULT_JSON:
+                errors.append(str(e))
+            else:  # the default file where doctor was started: the checks still run, the result is not saved
+                print(f"omnitide doctor: cannot write {DEFAULT_JSON} in {Path.cwd()} (not writable): the full result "
+                      "is not saved; give --json PATH for it", file=sys.stderr)
+                args.json_path = "-"
     if args.model is not None and not Path(args.model).expanduser().exists() and "/" not in args.model:
         errors.append(f"--model: no such checkpoint {args.model!r}")
     return errors
@@ -204,6 +213,8 @@ def report(result: dict) -> str:
              f"machine: {v['platform']}; {v['cpu']}, {v['cpus']} CPUs",
              f"device: {dev['default']} (Metal {'available' if dev['metal'] else 'not available'}); memory "
              f"{size(mem.get('total_bytes'))} total, {size(mem.get('available_bytes'))} available"]
+    if result.get("blas"):
+        lines.append(f"BLAS (MLX's CPU backend): {result['blas']['in_use']}")
     if dev.get("metal_info"):
         mi = dev["metal_info"]
         lines.append(f"gpu: {mi.get('architecture', '?')}, recommended working set "
@@ -240,7 +251,9 @@ def report(result: dict) -> str:
 def doctor(*, dtypes=DTYPES, model: str | None = None, emulator: bool = True, timing: bool = True) -> dict:
     from ..bench.common import versions
 
-    result = {"versions": versions(), "device": _device(), "memory": _memory()}
+    from ..blas import blas_info
+
+    result = {"versions": versions(), "device": _device(), "memory": _memory(), "blas": blas_info()}
     tests, note = self_tests(dtypes, emulator=emulator)
     result["self_tests"] = tests
     result["emulator_note"] = note
@@ -267,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     if args.json_path != "-":
         path = Path(args.json_path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({**result, "report": text}, indent=1, default=str))
         os.replace(tmp, path)

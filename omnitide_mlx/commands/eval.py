@@ -139,6 +139,14 @@ def run(args) -> int:
         print("omnitide eval: choose streamingbench, svbench, livesports, study or table (see --help)",
               file=sys.stderr)
         return 2
+    if getattr(args, "out", None) is not None:  # a run folder that cannot be made fails before any work
+        from .options import check_output_dir
+
+        try:
+            check_output_dir(args.out, "--out")
+        except UsageError as e:
+            print(f"omnitide eval: {e}", file=sys.stderr)
+            return 2
     return args._eval(args)
 
 
@@ -281,7 +289,9 @@ def _run_text_experiment(args) -> int:
 
 def _kv_config(args) -> dict:
     """The study configs' quantised-KV fields from --kv-bits / --kv-group-size / --kv-keep-sinks-full."""
-    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+    if args.kv_group_size is not None and args.kv_bits is None:
+        raise ValueError("--kv-group-size goes with --kv-bits (it sets the quantisation group)")
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or 64,
             "kv_keep_sinks_full": bool(args.kv_keep_sinks_full)}
 
 

@@ -6,9 +6,9 @@ import sys
 import time
 
 from .options import (UsageError, add_kv_arguments, add_media_arguments, add_model_arguments, add_progress_argument,
-                      add_sampling_arguments, sampling_kwargs)
+                      add_sampling_arguments, check_stop_strings, sampling_kwargs)
 from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args
-from .stream import check_model, session_from_args
+from .stream import check_kv_group, check_model, session_from_args
 
 HELP = "answer one prompt about optional images, audio or a video (like mlx_lm.generate)"
 DESCRIPTION = """Answer one prompt, optionally about images, an audio file or a video, and print the answer as it
@@ -45,12 +45,14 @@ def run(args) -> int:
         print("omnitide generate: --prompt is empty", file=sys.stderr)
         return 2
     try:
+        check_stop_strings(args)
         check_speech_args(args)
     except UsageError as e:
         print(f"omnitide generate: {e}", file=sys.stderr)
         return 2
     try:
         check_model(args)
+        check_kv_group(args)
         images = [_read_image(path) for path in args.image]
         media = MediaStream(args.video, args.audio) if (args.video or args.audio) else None
         args.policy, args.high, args.low, args.kv_budget = "full", None, None, None
@@ -68,6 +70,9 @@ def run(args) -> int:
                     bar.update(1)
         session.flush()
         speaker = SpokenAnswers(session, args, "omnitide generate")
+    except UsageError as e:
+        print(f"omnitide generate: {e}", file=sys.stderr)
+        return 2
     except (MediaError, CheckpointError, ValueError) as e:
         print(f"omnitide generate: {e}", file=sys.stderr)
         return 1

@@ -17,8 +17,7 @@ from pathlib import Path
 from ..errors import OmniTideError
 
 POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
-DEFAULT_HIGH, DEFAULT_LOW = 2500, 1800  # the paper's watermarks (core.pick.RetentionPolicy's defaults)
-LOW_RATIO = 0.72  # low / high when only one number is given (--high alone, --max-kv-size, --kv-budget): 1800/2500
+from ..core.watermarks import DEFAULT_HIGH, DEFAULT_LOW, LOW_RATIO  # noqa: F401  (the watermark rule's numbers)
 LOW_PCT = f"{LOW_RATIO:.0%}%"  # for argparse help, where % must be doubled
 MAX_KV_BUDGET = 1 << 50  # 1 PiB: anything larger is a typo, not a budget
 
@@ -118,8 +117,8 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     """Quantised KV flags, named as mlx-lm names them (``--kv-bits``, ``--kv-group-size``)."""
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
                    help="hold the KV cache quantised to 8 or 4 bits (default: the model's float dtype)")
-    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
-                   help="quantisation group size along the head dimension (default 64)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=None,
+                   help="with --kv-bits: quantisation group size along the head dimension (default 64)")
     p.add_argument("--kv-keep-sinks-full", action="store_true",
                    help="with --kv-bits: keep the system prefix (the attention sinks) in full precision")
 
@@ -127,10 +126,13 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
 def kv_kwargs(args) -> dict:
     """``OmniSession`` keywords of the quantised KV flags (checked: --kv-keep-sinks-full needs --kv-bits; the torch
     backend holds float K/V only)."""
-    kv = dict(kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64),
+    group = getattr(args, "kv_group_size", None)
+    kv = dict(kv_bits=getattr(args, "kv_bits", None), kv_group_size=64 if group is None else group,
               kv_keep_sinks_full=getattr(args, "kv_keep_sinks_full", False))
     if kv["kv_keep_sinks_full"] and kv["kv_bits"] is None:
         raise UsageError("--kv-keep-sinks-full goes with --kv-bits")
+    if group is not None and kv["kv_bits"] is None:
+        raise UsageError("--kv-group-size goes with --kv-bits (it sets the quantisation group)")
     if getattr(args, "backend", "mlx") == "torch":
         if kv["kv_bits"] is not None:
             raise UsageError("--kv-bits: the torch backend holds float K/V only (docs/torch.md)")
@@ -210,15 +212,12 @@ def resolve_watermarks(args) -> tuple[int | None, int | None]:
         return None, None
     if max_kv is not None:
         high = max_kv
-    if high is not None and low is None:
-        low = max(1, int(high * LOW_RATIO))
-    elif high is None and low is not None:
-        if low > DEFAULT_HIGH:
-            raise UsageError(f"--low {low} is above the default high watermark {DEFAULT_HIGH}: give --high too")
-        high = DEFAULT_HIGH
-    if high is not None and low > high:
-        raise UsageError(f"--low {low} is above --high {high}: the low watermark is a trim's target, below the high")
-    return high, low
+    from ..core.watermarks import WatermarkError, watermarks  # the rule OmniSession and the server use
+
+    try:
+        return watermarks(high, low, names=("--max-kv-size" if max_kv is not None else "--high", "--low"))
+    except WatermarkError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_output_file(path: str | None, flag: str) -> Path | None:
@@ -249,8 +248,38 @@ def check_output_dir(path: str | None, flag: str) -> Path | None:
     return p
 
 
+def check_session_dir(path: str | None, flag: str = "--save-session") -> Path | None:
+    """An output folder for a saved session: new, empty, or an earlier saved session (a save replaces the folder
+    as a whole, so a folder holding anything else is refused before the stream, not after it)."""
+    p = check_output_dir(path, flag)
+    if p is not None and p.is_dir():
+        from ..streaming.persist import SESSION_FILES  # the file names only: persist's own imports are light
+
+        other = sorted(q.name for q in p.iterdir() if q.name not in SESSION_FILES)
+        if other:
+            shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+            raise UsageError(f"{flag} {p} exists and is not a saved session (it holds {shown}): choose a new folder")
+    return p
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps")
+
+
+def check_plot_file(path: str | None, flag: str = "--plot") -> Path | None:
+    """An output file for a figure, named with a format matplotlib writes (it infers the format from the name)."""
+    p = check_output_file(path, flag)
+    if p is not None and p.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise UsageError(f"{flag} {p}: cannot write a figure as {p.suffix or 'a file without an extension'!r}; "
+                         f"name it .png, .pdf or .svg (or {', '.join('.' + f for f in PLOT_FORMATS[3:])})")
+    return p
+
+
 def _check_creatable(folder: Path, flag: str, target: Path) -> None:
-    """The nearest existing ancestor of ``folder`` must be a writable folder."""
+    """The nearest existing ancestor of ``folder`` must be a folder we can create things in: tried by creating
+    (and removing) an empty folder there, since permission bits say yes to root on read-only file systems and in
+    /proc."""
+    import tempfile
+
     q = folder if str(folder) else Path(".")
     while not q.exists():
         if q.parent == q:
@@ -258,8 +287,17 @@ def _check_creatable(folder: Path, flag: str, target: Path) -> None:
         q = q.parent
     if not q.is_dir():
         raise UsageError(f"{flag} {target}: {q} is not a folder")
-    if not os.access(q, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {target}: {q} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".omnitide-write-check-", dir=q))
+    except OSError:
+        raise UsageError(f"{flag} {target}: {q} is not writable") from None
+
+
+def check_stop_strings(args) -> None:
+    """``--stop`` texts: an empty one would end every answer before its first token."""
+    if any(s == "" for s in getattr(args, "stop", None) or []):
+        raise UsageError("--stop: empty text (it would stop every answer before its first word); give the text "
+                         "that ends an answer")
 
 
 _CLOCK = re.compile(r"^\s*(?:(?:(\d+):)?(\d+):(?=[0-5]\d(?:\.\d*)?\s*:))?(\d+(?:\.\d*)?)\s*:(.*)$", re.S)

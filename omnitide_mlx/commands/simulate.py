@@ -22,7 +22,7 @@ examples:
 """
 
 from ..core.layout import OMNIPAGE_MIGRATIONS
-from .options import (POLICIES, UsageError, add_progress_argument, check_output_file, non_negative_int,  # noqa: F401
+from .options import (POLICIES, UsageError, add_progress_argument, check_output_file, check_plot_file, non_negative_int,  # noqa: F401
                       positive_int)
 
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # unusable output paths fail before the simulation, not after it
         check_output_file(args.json_path, "--json")
-        check_output_file(args.plot, "--plot")
+        check_plot_file(args.plot, "--plot")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .options import UsageError
+from .options import UsageError, check_output_dir
 
 
 def add_speech_arguments(p) -> None:
@@ -24,14 +24,12 @@ def add_speech_arguments(p) -> None:
 def check_speech_args(args) -> None:
     if not getattr(args, "speak", False):
         for flag, value in (("--speaker", args.speaker), ("--audio-out", args.audio_out), ("--play", args.play)):
-            if value:
+            if value not in (None, False):
                 raise UsageError(f"{flag} needs --speak")
         return
     if getattr(args, "backend", "mlx") == "torch":
         raise UsageError("--speak runs on the MLX backend only")
-    out = Path(args.audio_out or "answers").expanduser()
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--audio-out {out} is a file, not a folder")
+    out = check_output_dir("answers" if args.audio_out is None else args.audio_out, "--audio-out")
     args.audio_out = str(out)
 
 

@@ -7,7 +7,9 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from ..core.stream_units import MediaSetting
 from .options import add_media_arguments, media_setting  # noqa: I001
 from .options import (POLICIES, UsageError, add_model_arguments, add_policy_arguments,  # noqa: F401
                       add_progress_argument, add_sampling_arguments, check_output_dir, check_output_file,
+                      check_session_dir, check_stop_strings,
                       parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
 from .options import add_kv_arguments, kv_kwargs
 
@@ -72,10 +75,31 @@ def check_args(args) -> None:
     if getattr(args, "backend", "mlx") != "torch" and getattr(args, "device", None):
         raise UsageError("--device applies to --backend torch (MLX picks its own device)")
     check_output_file(getattr(args, "json", None), "--json")
-    check_output_dir(getattr(args, "save_session", None), "--save-session")
+    check_session_dir(getattr(args, "save_session", None), "--save-session")
+    check_stop_strings(args)
     kv_kwargs(args)
     if hasattr(args, "speak"):
         check_speech_args(args)
+    _check_outputs_apart(args)
+
+
+def _check_outputs_apart(args) -> None:
+    """``--save-session`` replaces its folder as a whole: ``--json`` or the spoken answers there would be lost
+    (or make the save refuse the folder after the whole stream)."""
+    sess = getattr(args, "save_session", None)
+    if sess is None:
+        return
+    folder = Path(sess).expanduser().resolve()
+    others = [("--json", getattr(args, "json", None))]
+    if getattr(args, "speak", False):
+        others.append(("--audio-out", args.audio_out))
+    for flag, path in others:
+        if path is None:
+            continue
+        p = Path(path).expanduser().resolve()
+        if p == folder or folder in p.parents:
+            raise UsageError(f"--save-session {sess}: {flag} {path} is in the session's folder, which a save "
+                             "replaces as a whole: write it elsewhere")
 
 
 def check_model(args) -> None:
@@ -85,6 +109,47 @@ def check_model(args) -> None:
     from ..models.loading import resolve_model_path
 
     resolve_model_path(args.model)
+
+
+def check_question_times(questions, units: int) -> None:
+    """A question is asked once the stream reaches its time; one past the last unit would be asked at the end as
+    if on time, so it is refused before the model loads."""
+    late = [(t, q) for t, q in questions if t > units]
+    if late:
+        t, q = late[0]
+        raise UsageError(f"--ask {t:g}:{q!r} is past the end of the stream at {units} s"
+                         + (f" ({len(late)} questions are)" if len(late) > 1 else "")
+                         + ": ask at most at its end, or stream longer")
+
+
+KV_GROUP_SIZES = (32, 64, 128)  # the group sizes MLX quantises in
+
+
+def check_kv_group(args) -> None:
+    """``--kv-bits``: the quantisation group must divide the checkpoint's K/V head (from config.json, before the
+    model loads). Without ``--kv-group-size`` the group is 64, or 32 where 64 does not divide the head."""
+    if getattr(args, "kv_bits", None) is None or getattr(args, "backend", "mlx") == "torch":
+        return
+    from ..models.budget import kv_need
+    from ..models.loading import resolve_model_path
+
+    need = kv_need(resolve_model_path(args.model), frame=False, audio=True)
+    if need is None or not need.head_dim:
+        return
+    hd, given = need.head_dim, getattr(args, "kv_group_size", None)
+    fits = [g for g in KV_GROUP_SIZES if hd % g == 0]
+    if given is None and fits:
+        args.kv_group_size = 64 if 64 in fits else fits[0]
+        return
+    if given in fits:
+        return
+    if not fits:
+        raise UsageError(f"--kv-bits: this checkpoint's K/V heads are {hd} wide (head_dim {hd}) and MLX quantises in "
+                         f"groups of {', '.join(map(str, KV_GROUP_SIZES))} along the head, so quantised KV needs a "
+                         "head_dim that is a multiple of 32 (the released Qwen2.5-Omni and MiniCPM-o have 128; "
+                         "scripts/make_tiny_checkpoints.py writes tiny ones with 32)")
+    raise UsageError(f"--kv-group-size {given} does not divide this checkpoint's head_dim {hd}: give "
+                     + " or ".join(f"--kv-group-size {g}" for g in fits))
 
 
 def check_kv_budget(args, media, asks: bool = False) -> None:
@@ -102,7 +167,7 @@ def check_kv_budget(args, media, asks: bool = False) -> None:
     need = kv_need(resolve_model_path(args.model), media=media_setting(args) if hasattr(args, "preset") else None,
                    frame_size=(info.width, info.height) if info is not None else None, frame=info is not None,
                    audio=media.audio_path is not None, kv_bits=getattr(args, "kv_bits", None),
-                   kv_group_size=getattr(args, "kv_group_size", 64))
+                   kv_group_size=getattr(args, "kv_group_size", None) or 64)
     if need is None:
         return
     reply = args.max_tokens + REPLY_CLOSING_RESERVE if asks else 0
@@ -195,8 +260,8 @@ def kv_summary(s: dict) -> str:
     return (f"KV: {s['retained_cells']} tokens retained ({retained / 2**20:.2f} MiB) in a span of "
             f"{s['physical_span']} slots, {s['active_pages']} active pages; capacity {s['kv_bytes'] / 2**20:.2f} MiB "
             f"allocated; {s['units']} units, {s['evictions']} evictions ({s['evicted_tokens']} tokens), "
-            f"{s['migrations']} migrations ({s['migrated_cells']} cells); policy {s['policy']} (high {s['high']}, "
-            f"low {s['low']})")
+            f"{s['migrations']} migrations ({s['migrated_cells']} cells); policy {s['policy']} "
+            + ("(no eviction)" if s["policy"] == "full" else f"(high {s['high']}, low {s['low']})"))
 
 
 class ChunkTally:
@@ -263,6 +328,44 @@ class ChunkTally:
                 f"skipped {n} s ({tracks}): {why}"]
 
 
+class StopRequest:
+    """Ctrl-C while streaming asks for a clean stop: the unit or answer token under way finishes, the stream stops
+    there and the command writes ``--json`` (marked interrupted) and ``--save-session`` as at the end, then exits
+    130. A second Ctrl-C raises KeyboardInterrupt at once. Installed only in the main thread (signal handlers can
+    be set nowhere else); elsewhere Ctrl-C keeps Python's default."""
+
+    def __init__(self, prog: str):
+        self.prog = prog
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{self.prog}: interrupted: stopping after this step and writing what was streamed (Ctrl-C again "
+              "to abort)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        return False
+
+    def sleep_until(self, deadline: float) -> None:
+        """``time.sleep`` until ``deadline`` (perf_counter) in short steps, returning early on a stop request."""
+        while not self.requested:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.1))
+
+
 def write_json_atomic(path: Path, data) -> None:
     """Write then rename: a crash never leaves half a file where results were."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -273,7 +376,7 @@ def write_json_atomic(path: Path, data) -> None:
 
 
 def run(args) -> int:
-    from ..errors import MediaError
+    from ..errors import MediaError, SessionError
     from ..media import MediaStream
     from ..models.loading import CheckpointError
 
@@ -303,7 +406,9 @@ def run(args) -> int:
     bytes_per_token = 0
     try:
         check_model(args)  # a wrong model name fails before any media is decoded
+        check_kv_group(args)  # from config.json: a group that cannot divide the head fails before loading
         media = MediaStream(args.video, args.audio, seconds=args.seconds)  # both files checked, nothing decoded
+        check_question_times(questions, media.units)
         check_kv_budget(args, media, asks=bool(questions))  # from the checkpoint's files, before it loads
         session = session_from_args(args, on_update=on_update)
         speaker = SpokenAnswers(session, args, "omnitide stream")
@@ -326,9 +431,10 @@ def run(args) -> int:
     answers = []
     pending = list(questions)
     wall0 = time.perf_counter()
+    stop = StopRequest("omnitide stream")
 
     def ask_due(now: float) -> None:
-        while pending and pending[0][0] <= now:
+        while pending and pending[0][0] <= now and not stop.requested:
             t, q = pending.pop(0)
             progress.clear()
             print(f"\n[{t:g}s] Q: {q}", flush=True)
@@ -338,63 +444,79 @@ def run(args) -> int:
             print(f"A: {first}", end="", flush=True)
             answer = [first]
             for piece in pieces:
+                if stop.requested:  # the reply is cut here; closing it leaves the session ready to save
+                    pieces.close()
+                    break
                 answer.append(piece)
                 print(piece, end="", flush=True)
             print(flush=True)
             answers.append({"t": t, "question": q, "answer": "".join(answer)})
+            if stop.requested:
+                answers[-1]["interrupted"] = True
 
     streamed = 0
     tally = ChunkTally(has_audio=media.audio_path is not None)
     error = None
-    try:
-        ask_due(0.0)
-        for chunk in media:
-            if args.realtime:
-                time.sleep(max(0.0, wall0 + chunk.t - time.perf_counter()))
-            try:
-                session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
-                streamed += 1
-                tally.add(chunk, media)
-            except MediaError as e:  # a bad chunk is skipped, the stream goes on
-                tally.add(chunk, media, skipped=str(e))
-                progress.write(f"skipped the chunk at {chunk.t:g}s: {e}", file=sys.stderr)
-            progress.update(1)
-            ask_due(chunk.t + 1.0)
-        ask_due(float("inf"))
-    except MediaError as e:  # the file broke mid-way: keep what was streamed and answered
-        error = e
-    finally:
-        progress.close()
+    with stop:  # Ctrl-C from here on: a clean stop, then the same --json and --save-session as at the end
+        try:
+            ask_due(0.0)
+            for chunk in media:
+                if args.realtime:
+                    stop.sleep_until(wall0 + chunk.t)
+                if stop.requested:
+                    break
+                try:
+                    session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                    streamed += 1
+                    tally.add(chunk, media)
+                except MediaError as e:  # a bad chunk is skipped, the stream goes on
+                    tally.add(chunk, media, skipped=str(e))
+                    progress.write(f"skipped the chunk at {chunk.t:g}s: {e}", file=sys.stderr)
+                progress.update(1)
+                ask_due(chunk.t + 1.0)
+                if stop.requested:
+                    break
+            ask_due(float("inf"))
+        except MediaError as e:  # the file broke mid-way: keep what was streamed and answered
+            error = e
+        finally:
+            progress.close()
 
-    s = session.stats()
-    done = tally.streamed(s["media"])
-    print("", file=sys.stderr)
-    for line in tally.summary(streamed, done, video=args.video is not None):
-        print(line, file=sys.stderr)
-    print(kv_summary(s), file=sys.stderr)
-    status = 0
-    if error is not None:
-        print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
-        status = 1
-    elif streamed == 0 and tally.skipped_units:
-        print(f"omnitide stream: nothing was streamed: the session rejected all {tally.skipped_units} chunks "
-              f"({tally.reasons[0]})", file=sys.stderr)
-        status = 1
-    if args.json:
-        if speaker.enabled:
-            for a, f in zip(answers, speaker.files):
-                a["speech"] = f
-        out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
-               "media": {"units": streamed, **done, "skipped": tally.skipped_json()}}
-        try:
-            write_json_atomic(Path(args.json).expanduser(), out)
-        except OSError as e:
-            print(f"omnitide stream: could not write --json {args.json}: {e}", file=sys.stderr)
+        s = session.stats()
+        done = tally.streamed(s["media"])
+        print("", file=sys.stderr)
+        for line in tally.summary(streamed, done, video=args.video is not None):
+            print(line, file=sys.stderr)
+        print(kv_summary(s), file=sys.stderr)
+        status = 0
+        if stop.requested:
+            print(f"omnitide stream: interrupted at {streamed} s", file=sys.stderr)
+            status = 130
+        elif error is not None:
+            print(f"omnitide stream: stopped at {streamed} s: {error}", file=sys.stderr)
             status = 1
-    if args.save_session:
-        try:
-            session.save(args.save_session)
-        except OSError as e:
-            print(f"omnitide stream: could not save the session to {args.save_session}: {e}", file=sys.stderr)
+        elif streamed == 0 and tally.skipped_units:
+            print(f"omnitide stream: nothing was streamed: the session rejected all {tally.skipped_units} chunks "
+                  f"({tally.reasons[0]})", file=sys.stderr)
             status = 1
-    return status
+        if args.json:
+            if speaker.enabled:
+                for a, f in zip(answers, speaker.files):
+                    a["speech"] = f
+            out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
+                   "media": {"units": streamed, **done, "skipped": tally.skipped_json()}}
+            if stop.requested:
+                out["interrupted"] = True
+                out["unasked"] = [{"t": t, "question": q} for t, q in pending]
+            try:
+                write_json_atomic(Path(args.json).expanduser(), out)
+            except OSError as e:
+                print(f"omnitide stream: could not write --json {args.json}: {e}", file=sys.stderr)
+                status = 1
+        if args.save_session:
+            try:
+                session.save(args.save_session)
+            except (OSError, SessionError) as e:
+                print(f"omnitide stream: could not save the session to {args.save_session}: {e}", file=sys.stderr)
+                status = 1
+        return status

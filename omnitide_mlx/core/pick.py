@@ -29,7 +29,11 @@ from .units import History, SpanKind, Unit, UnitKind
 
 __all__ = ["H2O", "POLICIES", "POSITION_MODES", "FullContext", "OmniPick", "OmniTide", "RetentionError",
            "RetentionPlan", "RetentionPolicy", "StreamingLLM", "TokenSliding", "UnitFIFO", "UnitPlan", "apply_plan",
-           "make_policy", "parse_leftover", "plan_from_mask", "range_shifts"]
+           "make_policy", "parse_leftover", "plan_from_mask", "range_shifts", "watermarks", "DEFAULT_HIGH",
+           "DEFAULT_LOW", "LOW_RATIO", "WatermarkError"]
+
+
+from .watermarks import DEFAULT_HIGH, DEFAULT_LOW, LOW_RATIO, WatermarkError, watermarks  # noqa: E402
 
 
 # --- policies ---------------------------------------------------------------------------------------------

@@ -291,6 +291,84 @@ def engine_soak(units: int = 2000, *, model: str | None = None, question_every: 
     return out
 
 
+def spoken_soak(seconds: int = 3600, *, model: str | None = None, question_every: int = 300, max_tokens: int = 8,
+                window: int = 300, high: int = 400, low: int = 280, progress: bool = False,
+                on_window: Callable[[list], None] | None = None) -> dict:
+    """An hour of a spoken session at stream speed, not wall time: ``seconds`` one-second audio units (the bundled
+    speech clip, cycled) pushed as fast as the model takes them, and every ``question_every`` seconds a question
+    answered in speech (``speak=True``), its text and audio read to the end. Checks: every second is one media
+    unit, every reply has text and audio, RSS / KV bytes / retained cells flat per ``window`` seconds. ``model``:
+    a checkpoint with a talker (default: a tiny random Qwen2.5-Omni with talker and token2wav, real tokenizer).
+    Raises AssertionError when a check fails."""
+    import tempfile
+
+    from ..media import SAMPLE_RATE, read_audio
+    from ..session import OmniSession
+    from ..speech import AudioChunk
+
+    repo = Path(__file__).resolve().parents[2]
+    tmp = None
+    if model is None:
+        from ..models.qwen2_5_omni.tiny import make_tiny_checkpoint
+
+        tmp = tempfile.TemporaryDirectory(prefix="omnitide-spoken-soak-")
+        model = make_tiny_checkpoint(Path(tmp.name) / "tiny-qwen2.5-omni-speech", speech=True, seed=1,
+                                     tokenizer_dir=repo / "tests/data/tokenizers/qwen2", vocab="real")
+    speech = read_audio(repo / "assets/media/speech_16k.wav")
+    clips = [speech[k * SAMPLE_RATE:(k + 1) * SAMPLE_RATE] for k in range(len(speech) // SAMPLE_RATE)]
+    session = OmniSession(model, policy="omnitide", high=high, low=low)
+    windows: list[dict] = []
+    replies: list[dict] = []
+    t0 = time.perf_counter()
+
+    def sample(k: int) -> None:
+        st = session.stats()
+        windows.append({"seconds": k, "rss_bytes": rss_bytes(), "kv_bytes": st["kv_bytes"],
+                        "retained_cells": st["retained_cells"], "history_units": st["units"],
+                        "replies": len(replies), "wall_s": round(time.perf_counter() - t0, 2)})
+        if on_window is not None:
+            on_window(windows)
+        if progress:
+            w = windows[-1]
+            print(f"  {k:6d} s  rss {w['rss_bytes'] / 2**20:7.1f} MiB  kv {w['kv_bytes'] / 1024:7.1f} KiB  "
+                  f"retained {w['retained_cells']:5d}  replies {len(replies)}  {w['wall_s']:7.1f} s",
+                  file=sys.stderr, flush=True)
+
+    sample(0)
+    for k in range(seconds):
+        session.push(audio=clips[k % len(clips)], t=float(k))
+        if (k + 1) % question_every == 0:
+            text, samples = [], 0
+            for item in session.ask(f"At {k + 1} seconds: what did you hear?", speak=True, max_tokens=max_tokens):
+                if isinstance(item, AudioChunk):
+                    samples += item.pcm.size
+                else:
+                    text.append(item)
+            replies.append({"t": k + 1, "text_chars": len("".join(text)), "audio_samples": samples})
+        if (k + 1) % window == 0:
+            sample(k + 1)
+    session.flush()
+    media_t = [r.t for r in session.records if r.kind == "media"]
+    assert media_t == [float(k) for k in range(seconds)], "media units lost or duplicated"
+    session.cache.page_table.validate()
+    session.cache.page_table.check_history(session.history)
+    silent = [r["t"] for r in replies if r["audio_samples"] == 0]
+    assert len(replies) == seconds // question_every and not silent, f"replies without audio at {silent}"
+    flat = flatness(windows, "seconds", {"rss_bytes": 32 << 20, "kv_bytes": 64 * session.cache.bytes_per_token,
+                                         "retained_cells": high - low})
+    out = {"run": "spoken", "model": str(model) if tmp is None else
+           "tiny random Qwen2.5-Omni with talker and token2wav (real tokenizer)",
+           "policy": session.policy.config(), "seconds": seconds, "question_every": question_every,
+           "max_tokens": max_tokens, "replies": replies, "kv_bytes_per_token": session.cache.bytes_per_token,
+           "capacity_bound": session.capacity_bound(),
+           "peak": {k: max(w[k] for w in windows) for k in ("rss_bytes", "kv_bytes", "retained_cells")},
+           "flat": flat, "all_flat": all(v["flat"] for v in flat.values()),
+           "wall_s": round(time.perf_counter() - t0, 1), "machine": machine(), "windows": windows}
+    if tmp is not None:
+        tmp.cleanup()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m omnitide_mlx.eval.soak", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="run", required=True)
@@ -305,7 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--model", default=None, help="checkpoint folder (default: a tiny random Qwen2.5-Omni)")
     e.add_argument("--question-every", type=int, default=20)
     e.add_argument("--window", type=int, default=200, help="units per sample")
-    for q in (s, e):
+    sp = sub.add_parser("spoken", help="an hour of spoken session at stream speed: audio units, spoken answers")
+    sp.add_argument("--seconds", type=int, default=3600)
+    sp.add_argument("--model", default=None, help="checkpoint folder with a talker (default: a tiny random one)")
+    sp.add_argument("--question-every", type=int, default=300)
+    sp.add_argument("--window", type=int, default=300, help="seconds per sample")
+    for q in (s, e, sp):
         q.add_argument("--json", default=None, help="write the result here")
         q.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -320,6 +403,20 @@ def main(argv: list[str] | None = None) -> int:
 
         res = sim_soak(args.seconds, profile=args.profile, policy=args.policy, window=args.window,
                        check_every=args.check_every, progress=not args.no_progress, on_window=partial)
+        res["complete"] = True
+    elif args.run == "spoken":
+        for name, v in (("--seconds", args.seconds), ("--question-every", args.question_every),
+                        ("--window", args.window)):
+            if v < 1:
+                p.error(f"{name} must be at least 1")
+
+        def partial(windows):
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"run": "spoken", "complete": False, "windows": windows}) + "\n")
+
+        res = spoken_soak(args.seconds, model=args.model, question_every=args.question_every, window=args.window,
+                          progress=not args.no_progress, on_window=partial)
         res["complete"] = True
     else:
         for name, v in (("--units", args.units), ("--question-every", args.question_every), ("--window", args.window)):

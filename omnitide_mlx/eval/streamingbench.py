@@ -194,7 +194,7 @@ def _proactive_asks(q: SBQuestion, max_tokens: int) -> list[Ask]:
                 "gt_output": q.gt_output, "answered": now if answered else False, "dialog_history": state["dialog"],
                 "time_correct": time_ok, "answer_correct": time_ok and q.gt_output in last_turn["content"]}
 
-    return [Ask(float(t), lambda s, t=t: poll(s, t)) for t in range(first, max(first, last) + 1)]
+    return [Ask(float(t), lambda s, t=t: poll(s, t), stamp=q.time) for t in range(first, max(first, last) + 1)]
 
 
 # --- scores ----------------------------------------------------------------------------------------------------------
@@ -204,8 +204,12 @@ def score(records: list[dict]) -> dict:
     by_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     pro = [0, 0, 0]
+    past_end = 0
     for item in records:
         for q in item["questions"]:
+            if q.get("past_end"):  # stamped after the video's end: not asked at its time, not scored
+                past_end += 1
+                continue
             if item["task"] == "proactive":
                 pro[0] += 1
                 pro[1] += bool(q["time_correct"])
@@ -220,6 +224,8 @@ def score(records: list[dict]) -> dict:
            "by_task": {k: {"accuracy": 100.0 * v[1] / v[0], "questions": v[0]} for k, v in sorted(by_task.items())},
            "by_task_type": {k: {"accuracy": 100.0 * v[1] / v[0], "questions": v[0]}
                             for k, v in sorted(by_type.items())}}
+    if past_end:
+        out["past_end"] = past_end
     if pro[0]:
         out["proactive"] = {"questions": pro[0], "time_accuracy": 100.0 * pro[1] / pro[0],
                             "answer_accuracy": 100.0 * pro[2] / pro[0]}

@@ -60,6 +60,8 @@ def parse_hms(text: str, where: str) -> float:
         raise DatasetError(f"{where}: time stamp {text!r} is not HH:MM:SS") from None
     if not 1 <= len(values) <= 3 or any(v < 0 for v in values):
         raise DatasetError(f"{where}: time stamp {text!r} is not HH:MM:SS")
+    if any(v >= 60 for v in values[1:]):  # "99:99:99": minutes and seconds run to 59
+        raise DatasetError(f"{where}: time stamp {text!r} is not a time (minutes and seconds go up to 59)")
     return sum(v * 60 ** i for i, v in enumerate(reversed(values)))
 
 
@@ -164,20 +166,25 @@ class Ask:
 
     t: float
     run: Callable
+    stamp: float | None = None  # the dataset's time for the question, when the ask is not at it (proactive polls)
 
 
 def stream_and_ask(session, chunks: Iterator, asks: list[Ask], on_chunk: Callable | None = None) -> tuple[list, dict]:
-    """Push every chunk, asking each question once the stream has covered its time (questions past the end are
-    asked after the last chunk). Returns the questions' records in order and stream figures."""
+    """Push every chunk, asking each question once the stream has covered its time. A question stamped after the
+    media's end is asked after the last chunk, its record marked ``past_end`` (the scores leave it out: it was
+    never asked at its time). Returns the questions' records in order and stream figures."""
     pending = sorted(asks, key=lambda a: a.t)
     records: list = []
+    stamps: list[float] = []
     pushed, rejected = 0, 0
 
     def due(now: float) -> None:
         while pending and pending[0].t <= now + 1e-9:
-            record = pending.pop(0).run(session)
+            ask = pending.pop(0)
+            record = ask.run(session)
             if record is not None:
                 records.append(record)
+                stamps.append(ask.t if ask.stamp is None else ask.stamp)
 
     due(0.0)
     last = 0.0
@@ -192,8 +199,14 @@ def stream_and_ask(session, chunks: Iterator, asks: list[Ask], on_chunk: Callabl
             on_chunk(chunk)
         due(last)
     due(math.inf)
+    late = 0
+    for record, stamp in zip(records, stamps):
+        if stamp > last + 1e-9 and isinstance(record, dict):
+            record["past_end"] = True
+            late += 1
     st = session.stats()
     return records, {"seconds_streamed": pushed, "rejected_chunks": rejected, "stream_end": last,
+                     "past_end_questions": late,
                      "evictions": st["evictions"], "evicted_tokens": st["evicted_tokens"],
                      "retained_cells": st["retained_cells"], "peak_physical_span": st["peak_physical_span"],
                      "prefill_ms": st["timings"]["prefill_ms"], "decode_ms": st["timings"]["decode_ms"],

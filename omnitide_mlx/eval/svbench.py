@@ -108,8 +108,11 @@ def token_f1(pred: str, gold: str) -> float:
 
 
 def score(records: list[dict], judge: Path | None = None) -> dict:
-    f1s = [token_f1(a, g) for r in records for seg in r["segments"] for a, g in zip(seg["answers"], seg["gt_answers"])]
+    segments = [seg for r in records for seg in r["segments"]]
+    f1s = [token_f1(a, g) for seg in segments if not seg.get("past_end")  # asked after the video's end: not scored
+           for a, g in zip(seg["answers"], seg["gt_answers"])]
     out = {"videos": len(records), "questions": len(f1s),
+           "past_end_segments": sum(bool(seg.get("past_end")) for seg in segments),
            "proxy_token_f1": 100.0 * sum(f1s) / len(f1s) if f1s else None, "judge_overall": None}
     if judge is not None and judge.is_file():
         out["judge_overall"] = read_judge(judge)

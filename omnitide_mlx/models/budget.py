@@ -30,6 +30,7 @@ class KVNeed:
     bytes_per_token: int
     unit_tokens: int  # one media unit at the stream's frame size and tracks, inside an open user turn
     dtype_bytes: int
+    head_dim: int = 0  # the K/V head size (quantised KV groups must divide it)
 
     @property
     def first_unit_tokens(self) -> int:
@@ -116,8 +117,10 @@ def kv_need(path: str | Path, *, media: MediaSetting | None = None, frame_size: 
             raise
         raise CheckpointError(f"{path / 'config.json'}: cannot read the model's shape: {type(e).__name__}: {e}") \
             from None
+    if kv_bits is not None and shape[2] % kv_group_size:  # the quantised row below would be wrong
+        kv_bits = None
     return KVNeed(family=family, bytes_per_token=kv_bytes_per_token(*shape, dtype_bytes, kv_bits, kv_group_size),
-                  unit_tokens=units.tokens, dtype_bytes=dtype_bytes)
+                  unit_tokens=units.tokens, dtype_bytes=dtype_bytes, head_dim=shape[2])
 
 
 def budget_problem(budget: int, need: KVNeed, *, reply_tokens: int = 0, reserve_pages: int = 2,

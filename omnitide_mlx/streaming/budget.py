@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from ..core.pick import RetentionPolicy, make_policy
+from ..core.pick import LOW_RATIO, RetentionPolicy, make_policy, watermarks
 
 
 RESERVE_PAGES = 2  # a KV budget's high watermark sits this many pages under its ceiling (see watermarks_for_budget)
@@ -21,11 +21,10 @@ def policy_from(policy: RetentionPolicy | str | None, high: int | None = None, l
     if policy is None:
         policy = "omnitide"
     if isinstance(policy, str):
-        kw = {}
-        if high is not None:
-            kw["high"] = _watermark("high", high)
-        if low is not None:
-            kw["low"] = _watermark("low", low)
+        high = None if high is None else _watermark("high", high)
+        low = None if low is None else _watermark("low", low)
+        high, low = watermarks(high, low)  # the one rule: high alone gives low = 72 % of it
+        kw = {} if high is None else {"high": high, "low": low}
         return make_policy(policy, **kw)
     if not isinstance(policy, RetentionPolicy):
         raise ValueError(f"policy must be a policy name or a RetentionPolicy, got {type(policy).__name__}")
@@ -46,7 +45,7 @@ def budget_slots(budget_bytes: int, bytes_per_token: int, page_size: int = 64) -
     return budget_bytes // bytes_per_token // page_size * page_size
 
 
-def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = 0.72, *,
+def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = LOW_RATIO, *,
                           page_size: int = 64, low: int | None = None) -> tuple[int, int]:
     """High / low watermarks (tokens) under a KV budget: users think in memory.
 

@@ -80,19 +80,44 @@ def _check_model(file: Path, saved: dict | None, model, spec) -> None:
                            + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items()) + ")")
 
 
+REPLACE_ATTEMPTS = 50  # saves racing for one folder: each round one of them lands
+
+
 def _replace_dir(new: Path, path: Path) -> None:
-    """Put the folder ``new`` at ``path``: a rename; an older folder there is moved aside first and removed after."""
-    if not path.exists():
-        os.replace(new, path)
-        return
+    """Put the folder ``new`` at ``path`` by renames: an older folder there is moved aside first and removed
+    after. Other processes (or threads) may be saving to ``path`` at the same time: a rename that finds the place
+    taken or the old folder gone tries again, so every save lands whole (the last one stays) and nothing is left
+    beside ``path``; SessionError if the place never comes free."""
+    import errno
+
+    taken = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
     old = path.parent / f".{path.name}.old-{os.getpid()}-{threading.get_ident()}"
-    os.replace(path, old)
-    try:
-        os.replace(new, path)
-    except OSError:
-        os.replace(old, path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    for _ in range(REPLACE_ATTEMPTS):
+        try:
+            os.replace(new, path)  # the place is free (or an empty folder)
+            return
+        except OSError as e:
+            if e.errno not in taken:
+                raise
+        try:
+            os.replace(path, old)  # another save is there: move it aside
+        except FileNotFoundError:
+            continue  # a racing save moved it first
+        try:
+            os.replace(new, path)
+        except OSError as e:
+            if e.errno in taken:  # a racing save landed in between: it is whole; go round again
+                shutil.rmtree(old, ignore_errors=True)
+                continue
+            try:
+                os.replace(old, path)  # any other failure: the older save goes back in place
+            except OSError:
+                pass
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    raise SessionError(f"could not save to {path}: other saves to the same folder kept taking its place "
+                       f"({REPLACE_ATTEMPTS} tries)")
 
 
 def _model_ref(model) -> str:

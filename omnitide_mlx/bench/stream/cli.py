@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     if bad or not policies:
         print(f"unknown --policies {bad}; choose from {','.join(VARIANTS)}", file=sys.stderr)
         return 2
+    if not checkpoints and args.no_sessions:
+        print("nothing to run: --checkpoints is empty and --no-sessions skips the sessions", file=sys.stderr)
+        return 2
     if checkpoints and (min(checkpoints) <= 0 or "full" not in policies):
         print("--checkpoints needs positive token counts and the 'full' policy (the baseline)", file=sys.stderr)
         return 2

@@ -80,23 +80,26 @@ def plot(result: dict, path: str) -> None:
         last = max(r["checkpoint"] for r in upd)
         names = [n for n in ("fifo", "token", "streamingllm", "h2o", "omnipick", "omnitide", "eager", "mlx_rotating")
                  if any(r["policy"] == n and r["checkpoint"] == last for r in upd)]
-        at = {r["policy"]: r for r in upd if r["checkpoint"] == last}
-        useful = np.array([at[n]["retained_cells"] for n in names])
-        span = np.array([at[n]["physical_span"] for n in names])
-        peak = np.array([at[n]["peak_span"] for n in names])
-        x = np.arange(len(names))
-        ax.bar(x, useful, color="#7f7f7f", label="useful cells")
-        ax.bar(x, span - useful, bottom=useful, color=[COLORS[n] for n in names], alpha=0.6,
-               label="physical-span waste (holes)")
-        for i in range(len(names)):
-            ax.text(i, span[i], f"{span[i]}\n({span[i] / max(useful[i], 1):.2f}x)", ha="center", va="bottom",
-                    fontsize=7)
-        ax.plot(x, peak, "k-o", lw=1, ms=3, label="cumulative peak span")
-        ax.set_ylim(0, max(peak.max(), span.max()) * 1.3)
-        ax.set_xticks(x, names, rotation=30, fontsize=8)
-        ax.set_ylabel("KV cells after the update")
-        ax.set_title(f"(c) KV layout at the {last}-token checkpoint", fontsize=10)
-        ax.legend(fontsize=7, loc="upper left")
+        if names:  # the KV layout of the retention policies (the full baseline alone has none to compare)
+            at = {r["policy"]: r for r in upd if r["checkpoint"] == last}
+            useful = np.array([at[n]["retained_cells"] for n in names])
+            span = np.array([at[n]["physical_span"] for n in names])
+            peak = np.array([at[n]["peak_span"] for n in names])
+            x = np.arange(len(names))
+            ax.bar(x, useful, color="#7f7f7f", label="useful cells")
+            ax.bar(x, span - useful, bottom=useful, color=[COLORS[n] for n in names], alpha=0.6,
+                   label="physical-span waste (holes)")
+            for i in range(len(names)):
+                ax.text(i, span[i], f"{span[i]}\n({span[i] / max(useful[i], 1):.2f}x)", ha="center", va="bottom",
+                        fontsize=7)
+            ax.plot(x, peak, "k-o", lw=1, ms=3, label="cumulative peak span")
+            ax.set_ylim(0, max(peak.max(), span.max()) * 1.3)
+            ax.set_xticks(x, names, rotation=30, fontsize=8)
+            ax.set_ylabel("KV cells after the update")
+            ax.set_title(f"(c) KV layout at the {last}-token checkpoint", fontsize=10)
+            ax.legend(fontsize=7, loc="upper left")
+        else:
+            ax.set_axis_off()
 
     if bottom:
         _session_row(axes[1], result, sess, prof)

@@ -41,8 +41,15 @@ CHAT_TEMPLATE = (
     "<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_config(vocab: str = "tiny", *, text_layers: int = 2, vision_depth: int = 2, audio_layers: int = 2) -> dict:
-    """A 4.x-style full-model config.json with a tiny thinker (reference section 5.2)."""
+def tiny_config(vocab: str = "tiny", *, text_layers: int = 2, vision_depth: int = 2, audio_layers: int = 2,
+                text_heads: int = 4) -> dict:
+    """A 4.x-style full-model config.json with a tiny thinker (reference section 5.2). ``text_heads``: 4 (head_dim
+    16, the test suite's) or 2 (head_dim 32, the smallest MLX can quantise: scripts/make_tiny_checkpoints.py); the
+    M-RoPE sections keep the released 2 : 3 : 3 split of the head's half."""
+    if text_heads not in (2, 4):
+        raise ValueError(f"text_heads must be 2 or 4, not {text_heads}")
+    half = 64 // text_heads // 2
+    mrope = [half // 4, 3 * half // 8, 3 * half // 8]
     base = TINY_BASE if vocab == "tiny" else 151643
     vocab_size = TINY_VOCAB if vocab == "tiny" else REAL_VOCAB
     ids = {c: base + i for i, (c, _) in enumerate(SPECIAL_TOKENS)}
@@ -57,9 +64,9 @@ def tiny_config(vocab: str = "tiny", *, text_layers: int = 2, vision_depth: int 
         "position_id_per_seconds": 25, "seconds_per_chunk": 2, "user_token_id": 872, "tie_word_embeddings": False,
         "text_config": {
             "model_type": "qwen2_5_omni_text", "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": text_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": text_layers, "num_attention_heads": text_heads, "num_key_value_heads": 2,
             "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-            "rope_scaling": {"mrope_section": [2, 3, 3], "rope_type": "default", "type": "default"},
+            "rope_scaling": {"mrope_section": mrope, "rope_type": "default", "type": "default"},
             "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 28,
         },
         "vision_config": {
@@ -195,7 +202,7 @@ def make_tiny_checkpoint(dst, *, tokenizer_dir, vocab: str = "tiny", seed: int =
     token2wav weights); turn them off for a bare-thinker checkpoint. ``speech``: a complete tiny talker and
     token2wav (``talker_config`` / ``token2wav_config``, every ``talker.*`` / ``token2wav.*`` weight and a
     ``spk_dict.pt`` with two voices, written as ``torch.save`` lays it out), so that the spoken path runs.
-    ``sizes``: text_layers, vision_depth, audio_layers.
+    ``sizes``: text_layers, vision_depth, audio_layers, text_heads.
     """
     from safetensors.numpy import save_file
 
