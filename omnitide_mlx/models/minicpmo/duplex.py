@@ -13,7 +13,9 @@ The KV cache layout (``prepare`` once, then one unit a second)::
     <unit> [<image> 64 </image> (<slice> 64 </slice>)*]* [audio x10] [text] <decision> [text / control]* </unit>
 
 Positions are the cache length (``StreamDecoder.feed``). The official sliding windows (``DuplexWindowConfig``) are
-off by default and not ported here: OmniTide's retention bounds the cache instead.
+off by default; the "basic" one is here (``BasicWindow``: whole units dropped oldest first, the kept keys re-rotated,
+``StreamDecoder.enforce_window``) as the baseline OmniTide's retention is compared with; the "context" one (a cache
+rebuilt every 24 units with the previous units' text) is not ported.
 
 Deviations (numerically invisible unless noted): the official code feeds each token of the prompts and each marker
 / embedding block of a unit in its own forward, here a unit is one forward (causal attention: the same logits up
@@ -74,6 +76,20 @@ class DuplexDecoding:
             raise ValueError(f"tts_temperature must be > 0 (got {self.tts_temperature})")
 
 
+@dataclass(frozen=True)
+class BasicWindow:
+    """The official "basic" duplex window (``DuplexWindowConfig``, ``utils.py:883-904``, ``enforce_window``
+    1434-1477): once the cache passes ``high`` tokens after a unit, whole units are dropped, oldest first, until it
+    is at most ``low``; the prompt of ``prepare`` is never dropped. Defaults: ``MiniCPMODuplex``'s (2437-2451)."""
+
+    high: int = 4000
+    low: int = 3500
+
+    def __post_init__(self):
+        if not 0 < self.low <= self.high:
+            raise ValueError(f"the window needs 0 < low <= high (got low {self.low}, high {self.high})")
+
+
 @dataclass
 class DuplexUnit:
     """What ``streaming_generate`` returns for one unit."""
@@ -84,7 +100,8 @@ class DuplexUnit:
     ids: list[int] = field(default_factory=list)  # every id fed after the unit's input, </unit> included
     tts_tokens: list[int] = field(default_factory=list)  # this unit's audio tokens (speaking units)
     audio: np.ndarray | None = None  # 24 kHz float32 when a token2wav is attached and audio became final
-    kv_length: int = 0
+    kv_length: int = 0  # after the unit (and after the window's drops)
+    dropped_units: int = 0  # units the window dropped after this one
     step_logits: list[np.ndarray] = field(default_factory=list)  # the logits of each decode step (record=True)
     tts_condition: np.ndarray | None = None  # the TTS input [n, hidden] (record=True)
 
@@ -200,12 +217,13 @@ class DuplexSession:
     ``speaker``; without it speaking units still produce their TTS tokens (when the model has a TTS) and the
     token2wav windows they would push (``t2w_windows``). ``draw`` replaces every random draw (LLM and TTS, in the
     official order) by a function of the probabilities, e.g. to replay a recorded run; ``seed`` seeds NumPy's.
-    ``record=True`` keeps each decode step's logits in ``DuplexUnit.step_logits``.
+    ``record=True`` keeps each decode step's logits in ``DuplexUnit.step_logits``. ``window``: the official basic
+    window (None: the cache grows, as the official default "off").
     """
 
     def __init__(self, model, processor, decoding: DuplexDecoding | None = None, speech=None,
                  speaker: str | None = None, generate_audio: bool | None = None, seed: int | None = None,
-                 draw: Draw | None = None, record: bool = False):
+                 draw: Draw | None = None, record: bool = False, window: BasicWindow | None = None):
         self.model, self.processor, self.tok = model, processor, processor.tokenizer
         self.lm = model.language_model
         self.cfg = decoding or DuplexDecoding()
@@ -214,7 +232,8 @@ class DuplexSession:
             model.require_tts()
         self.speech, self.voice = speech, (speech.voice(speaker) if speech is not None else None)
         self.rng = np.random.default_rng(seed)
-        self._draw, self.record = draw, record
+        self._draw, self.record, self.window = draw, record, window
+        self.rope = model.kv_spec().rope
         t = self.tok.token_id
         self.ids = {name: t(tok) for name, tok in [
             ("unit", "<unit>"), ("unit_end", "</unit>"), ("image", "<image>"), ("image_end", "</image>"),
@@ -231,6 +250,9 @@ class DuplexSession:
         self.cache = self.lm.make_cache()
         self.decoder = Decoder(self.ids, self.forbidden, self.cfg, self.rng, self._draw)
         self.preserve_length = 0
+        self.unit_lengths: list[int] = []  # tokens of each unit still in the cache, oldest first
+        self._unit_start: int | None = None
+        self.dropped_units = self.dropped_tokens = 0
         self.audio_chunk_idx = 0
         self.audio_buffer = np.zeros(0, dtype=np.float32)
         self.mel = StreamingMel(chunk_ms=CHUNK_MS, first_chunk_ms=FIRST_CHUNK_MS, cnn_redundancy_ms=CNN_REDUNDANCY_MS)
@@ -330,6 +352,7 @@ class DuplexSession:
             runs.append(self._embed(text_ids))
             if mode == "TEXT":
                 decision_at += len(text_ids)
+        self._unit_start = self.kv_length
         self.pending_logits, _ = self._feed(mx.concatenate(runs, axis=0), at=decision_at)
         self.current_mode = mode
         if mode == "VISION":  # officially a frame-only unit counts as an audio chunk too
@@ -416,6 +439,11 @@ class DuplexSession:
         unit.ids.append(ids["unit_end"])
         text_ids = [t for t, _ in pairs]
         unit.text = self.tok.decode(text_ids, skip_special_tokens=True) if text_ids else ""
+        if self._unit_start is not None and self.kv_length > self._unit_start:  # register_unit_end
+            self.unit_lengths.append(self.kv_length - self._unit_start)
+        self._unit_start = None
+        if self.window is not None:
+            unit.dropped_units = self._enforce_window()
         unit.kv_length = self.kv_length
         if unit.is_listen:
             unit.text, unit.end_of_turn = "", False
@@ -423,6 +451,31 @@ class DuplexSession:
         if self.generate_audio:
             self._speak(unit, pairs)
         return unit
+
+    # --- the basic window (utils.py: enforce_window 1434-1477, drop_tokens_from_cache 1027-1139) ------------------
+    def _enforce_window(self) -> int:
+        if self.kv_length <= self.window.high:
+            return 0
+        dropped = 0
+        while self.kv_length > self.window.low and self.unit_lengths:
+            self._drop(self.preserve_length, self.unit_lengths.pop(0))
+            dropped += 1
+        self.dropped_units += dropped
+        return dropped
+
+    def _drop(self, start: int, n: int) -> None:
+        """Delete cache rows ``[start, start + n)``; the keys after them move ``n`` positions back (one RoPE
+        rotation by ``-n``; the official code un-rotates at the old positions and rotates at the new ones); values
+        stay as they are."""
+        for c in self.cache:
+            k, v = c.keys[:, :, :c.offset], c.values[:, :, :c.offset]
+            tail = k[:, :, start + n:]
+            tail = self.rope.rotate_sequence(tail, np.full(tail.shape[2], -n, dtype=np.int32))
+            c.keys = mx.concatenate([k[:, :, :start], tail], axis=2)
+            c.values = mx.concatenate([v[:, :, :start], v[:, :, start + n:]], axis=2)
+            c.offset = c.keys.shape[2]
+        mx.eval([c.keys for c in self.cache] + [c.values for c in self.cache])
+        self.dropped_tokens += n
 
     def _speak(self, unit: DuplexUnit, pairs: list[tuple[int, mx.array]]) -> None:
         """``_convert_results_to_tts_input`` + ``generate_chunk`` + ``_generate_waveform_from_tokens``."""
