@@ -14,8 +14,11 @@ The KV cache layout (``prepare`` once, then one unit a second)::
 
 Positions are the cache length (``StreamDecoder.feed``). The official sliding windows (``DuplexWindowConfig``) are
 off by default; the "basic" one is here (``BasicWindow``: whole units dropped oldest first, the kept keys re-rotated,
-``StreamDecoder.enforce_window``) as the baseline OmniTide's retention is compared with; the "context" one (a cache
-rebuilt every 24 units with the previous units' text) is not ported.
+``StreamDecoder.enforce_window``) as the baseline; the "context" one (a cache rebuilt every 24 units with the
+previous units' text) is not ported. Instead of a window, ``retention`` takes one of OmniTide's retention policies
+(core/pick.py): the session keeps a ``History`` whose units keep their classes (the unit's decision as its label;
+spans: boundary markers, image / slices, audio, user text, and the reply as ``response``), and a policy's plan is
+applied to the cache (deleted rows cut, kept keys re-rotated by their shift).
 
 Deviations (numerically invisible unless noted): the official code feeds each token of the prompts and each marker
 / embedding block of a unit in its own forward, here a unit is one forward (causal attention: the same logits up
@@ -34,6 +37,9 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from ...core.pick import RetentionPolicy
+from ...core.retention_plan import apply_plan, plan_from_mask
+from ...core.units import History, SpanKind, Unit, UnitKind
 from ..base import MediaError
 from .audio import WhisperStreamCache
 from .processor import SAMPLE_RATE, StreamingMel, to_pil
@@ -101,7 +107,8 @@ class DuplexUnit:
     tts_tokens: list[int] = field(default_factory=list)  # this unit's audio tokens (speaking units)
     audio: np.ndarray | None = None  # 24 kHz float32 when a token2wav is attached and audio became final
     kv_length: int = 0  # after the unit (and after the window's drops)
-    dropped_units: int = 0  # units the window dropped after this one
+    dropped_units: int = 0  # units the window or the retention policy dropped after this one
+    evicted_tokens: int = 0  # tokens they deleted
     step_logits: list[np.ndarray] = field(default_factory=list)  # the logits of each decode step (record=True)
     tts_condition: np.ndarray | None = None  # the TTS input [n, hidden] (record=True)
 
@@ -218,12 +225,19 @@ class DuplexSession:
     token2wav windows they would push (``t2w_windows``). ``draw`` replaces every random draw (LLM and TTS, in the
     official order) by a function of the probabilities, e.g. to replay a recorded run; ``seed`` seeds NumPy's.
     ``record=True`` keeps each decode step's logits in ``DuplexUnit.step_logits``. ``window``: the official basic
-    window (None: the cache grows, as the official default "off").
+    window; ``retention``: an OmniTide retention policy (``core.pick.make_policy``) instead; neither: the cache
+    grows, as with the official default "off".
     """
 
     def __init__(self, model, processor, decoding: DuplexDecoding | None = None, speech=None,
                  speaker: str | None = None, generate_audio: bool | None = None, seed: int | None = None,
-                 draw: Draw | None = None, record: bool = False, window: BasicWindow | None = None):
+                 draw: Draw | None = None, record: bool = False, window: BasicWindow | None = None,
+                 retention: RetentionPolicy | None = None):
+        if window is not None and retention is not None:
+            raise ValueError("give the official window or a retention policy, not both")
+        if retention is not None and retention.needs_scores:
+            raise ValueError(f"the {retention.name} policy needs attention scores, which the duplex session does "
+                             "not collect")
         self.model, self.processor, self.tok = model, processor, processor.tokenizer
         self.lm = model.language_model
         self.cfg = decoding or DuplexDecoding()
@@ -232,7 +246,7 @@ class DuplexSession:
             model.require_tts()
         self.speech, self.voice = speech, (speech.voice(speaker) if speech is not None else None)
         self.rng = np.random.default_rng(seed)
-        self._draw, self.record, self.window = draw, record, window
+        self._draw, self.record, self.window, self.retention = draw, record, window, retention
         self.rope = model.kv_spec().rope
         t = self.tok.token_id
         self.ids = {name: t(tok) for name, tok in [
@@ -251,7 +265,9 @@ class DuplexSession:
         self.decoder = Decoder(self.ids, self.forbidden, self.cfg, self.rng, self._draw)
         self.preserve_length = 0
         self.unit_lengths: list[int] = []  # tokens of each unit still in the cache, oldest first
+        self.history = History()  # the cache's units and their spans (retention plans work on it)
         self._unit_start: int | None = None
+        self._unit_spans: list[tuple[SpanKind, int]] = []
         self.dropped_units = self.dropped_tokens = 0
         self.audio_chunk_idx = 0
         self.audio_buffer = np.zeros(0, dtype=np.float32)
@@ -308,6 +324,8 @@ class DuplexSession:
             self._feed(mx.concatenate(parts, axis=0))
         if prefix_system_prompt or suffix_system_prompt or ref_audio is not None:
             self.preserve_length = self.kv_length
+        if self.kv_length:
+            self.history.append(Unit.build(0, UnitKind.SYSTEM, [(SpanKind.SYSTEM, self.kv_length)], label="system"))
         if not (prefix_system_prompt or suffix_system_prompt):
             return ""
         return (prefix_system_prompt or "") + ("[audio embedding]" if ref_audio is not None else "") \
@@ -339,20 +357,28 @@ class DuplexSession:
         # everything is checked: build the unit
         self.pending_logits = None
         runs = [self._embed([self.ids["unit"]])]
+        spans = [(SpanKind.BOUNDARY, 1)]
         for frame, n in zip(frames, slices):
             image = self.processor.process_image(to_pil(frame), n)
             feats = self.model.vision_embeddings(image.slices, image.tgt_sizes)
             for k in range(feats.shape[0]):
                 start, end = ("image", "image_end") if k == 0 else ("slice", "slice_end")
                 runs += [self._embed([self.ids[start]]), feats[k].astype(runs[0].dtype), self._embed([self.ids[end]])]
+                kind = SpanKind.IMAGE if feats.shape[0] == 1 else SpanKind.IMAGE_SOURCE if k == 0 \
+                    else SpanKind.IMAGE_SLICE
+                spans += [(SpanKind.BOUNDARY, 1), (kind, feats.shape[1]), (SpanKind.BOUNDARY, 1)]
         if has_audio:
             runs.append(self._audio_tokens(buffer).astype(runs[0].dtype))
+            spans.append((SpanKind.AUDIO, runs[-1].shape[0]))
         decision_at = sum(r.shape[0] for r in runs) - 1
         if text_ids:
             runs.append(self._embed(text_ids))
+            spans.append((SpanKind.TEXT, len(text_ids)))
             if mode == "TEXT":
                 decision_at += len(text_ids)
-        self._unit_start = self.kv_length
+        if self._unit_start is None:  # a unit prefilled twice before its decision stays one unit
+            self._unit_start, self._unit_spans = self.kv_length, []
+        self._unit_spans += spans
         self.pending_logits, _ = self._feed(mx.concatenate(runs, axis=0), at=decision_at)
         self.current_mode = mode
         if mode == "VISION":  # officially a frame-only unit counts as an audio chunk too
@@ -439,11 +465,11 @@ class DuplexSession:
         unit.ids.append(ids["unit_end"])
         text_ids = [t for t, _ in pairs]
         unit.text = self.tok.decode(text_ids, skip_special_tokens=True) if text_ids else ""
-        if self._unit_start is not None and self.kv_length > self._unit_start:  # register_unit_end
-            self.unit_lengths.append(self.kv_length - self._unit_start)
-        self._unit_start = None
+        self._register_unit(unit)
         if self.window is not None:
-            unit.dropped_units = self._enforce_window()
+            unit.dropped_units, unit.evicted_tokens = self._enforce_window()
+        elif self.retention is not None:
+            unit.dropped_units, unit.evicted_tokens = self._retain()
         unit.kv_length = self.kv_length
         if unit.is_listen:
             unit.text, unit.end_of_turn = "", False
@@ -452,16 +478,56 @@ class DuplexSession:
             self._speak(unit, pairs)
         return unit
 
+    def _register_unit(self, unit: DuplexUnit) -> None:
+        """``register_unit_end``: the unit's length for the window, its spans for retention (the generated part:
+        ``<|listen|>`` and ``</unit>`` are boundaries, a speaking unit's tokens are its ``response``)."""
+        n = self.kv_length - self._unit_start
+        self.unit_lengths.append(n)
+        generated = unit.ids[:-1]
+        spans = self._unit_spans + ([(SpanKind.BOUNDARY, len(generated) + 1)] if unit.is_listen else
+                                    [(SpanKind.RESPONSE, len(generated)), (SpanKind.BOUNDARY, 1)])
+        spans = [(k, m) for k, m in spans if m > 0]
+        assert sum(m for _, m in spans) == n, (spans, n)
+        self.history.append(Unit.build(self.history.next_uid(), UnitKind.MEDIA, spans, self._unit_start,
+                                       t=float(self.units_generated - 1), label=unit.decision))
+        self._unit_start, self._unit_spans = None, []
+
+    def _retain(self) -> tuple[int, int]:
+        """One retention plan on the history, applied to the cache: kept rows gathered, each kept key re-rotated
+        by ``-shift`` (positions stay the cache length)."""
+        plan = self.retention.plan(self.history)
+        if plan is None:
+            return 0, 0
+        keep = np.flatnonzero(plan.keep_mask())
+        shifts = plan.kept_token_shifts()
+        idx = mx.array(keep.astype(np.int32))
+        for c in self.cache:
+            k = mx.take(c.keys[:, :, :c.offset], idx, axis=2)
+            c.keys = self.rope.rotate_sequence(k, (-shifts).astype(np.int32)) if shifts.any() else k
+            c.values = mx.take(c.values[:, :, :c.offset], idx, axis=2)
+            c.offset = c.keys.shape[2]
+        mx.eval([c.keys for c in self.cache] + [c.values for c in self.cache])
+        self.history = apply_plan(self.history, plan)
+        assert self.history.total_tokens == self.kv_length == self.history.next_position()
+        self.unit_lengths = [u.length for u in self.history.stream_units]
+        self.dropped_units += len(plan.dropped_uids())
+        self.dropped_tokens += plan.deleted_tokens
+        return len(plan.dropped_uids()), plan.deleted_tokens
+
     # --- the basic window (utils.py: enforce_window 1434-1477, drop_tokens_from_cache 1027-1139) ------------------
-    def _enforce_window(self) -> int:
+    def _enforce_window(self) -> tuple[int, int]:
         if self.kv_length <= self.window.high:
-            return 0
-        dropped = 0
+            return 0, 0
+        dropped, before = 0, self.kv_length
         while self.kv_length > self.window.low and self.unit_lengths:
             self._drop(self.preserve_length, self.unit_lengths.pop(0))
             dropped += 1
+        keep = np.zeros(self.history.total_tokens, dtype=bool)
+        keep[:self.preserve_length] = True
+        keep[self.history.total_tokens - sum(self.unit_lengths):] = True
+        self.history = apply_plan(self.history, plan_from_mask(self.history, keep, "basic-window"))
         self.dropped_units += dropped
-        return dropped
+        return dropped, before - self.kv_length
 
     def _drop(self, start: int, n: int) -> None:
         """Delete cache rows ``[start, start + n)``; the keys after them move ``n`` positions back (one RoPE

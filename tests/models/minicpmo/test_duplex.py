@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from omnitide_mlx.models.base import MediaError
-from omnitide_mlx.models.minicpmo.duplex import DuplexDecoding, DuplexSession, top_k_top_p
+from omnitide_mlx.core.pick import make_policy
+from omnitide_mlx.core.units import SpanKind
+from omnitide_mlx.models.minicpmo.duplex import BasicWindow, DuplexDecoding, DuplexSession, top_k_top_p
 
 from ._helpers import max_diff
 
@@ -62,6 +64,14 @@ def run(model, processor, spec: dict, **kw):
     return s, prompt, units
 
 
+def check_logits(name, units, arrays):
+    ours = np.stack([lg[arrays["logit_ids"]] for _, r, _, _ in units for lg in r.step_logits])
+    assert ours.shape == arrays[f"{name}_logits"].shape
+    assert max_diff(ours, arrays[f"{name}_logits"]) <= TOL
+    top = np.stack([np.sort(lg)[::-1][:16] for _, r, _, _ in units for lg in r.step_logits])
+    assert max_diff(top, arrays[f"{name}_top_values"]) <= TOL
+
+
 def check_unit_protocol(name, spec, units, arrays):
     """Everything but the logits: decisions, ids, cache lengths, TTS tokens and token2wav windows."""
     for i, (ref, (mode, r, whisper, windows)) in enumerate(zip(spec["units"], units)):
@@ -95,12 +105,7 @@ def test_greedy_session_matches_official(duplex_model, golden):
     assert {u["mode"] for u in refs} >= {"AUDIO", "OMNI", "VISION"}
     assert any(a["whisper_length"] < b["whisper_length"] for a, b in zip(refs[1:], refs))  # Whisper cache reset
     # logits of every decode step (at the recorded ids) and the TTS conditions
-    ids_at = arrays["logit_ids"]
-    ours = np.stack([lg[ids_at] for _, r, _, _ in units for lg in r.step_logits])
-    assert ours.shape == arrays["greedy_logits"].shape
-    assert max_diff(ours, arrays["greedy_logits"]) <= TOL
-    top = np.stack([np.sort(lg)[::-1][:16] for _, r, _, _ in units for lg in r.step_logits])
-    assert max_diff(top, arrays["greedy_top_values"]) <= TOL
+    check_logits("greedy", units, arrays)
     conds = [r.tts_condition for _, r, _, _ in units if r.tts_condition is not None]
     assert len(conds) == sum(u["has_condition"] for u in refs) > 0
     for i, c in enumerate(conds):
@@ -130,6 +135,75 @@ def test_sampled_session_replays_official_draws(duplex_model, golden):
         worst = max(worst, abs(float(probs[d["id"]]) - d["p"]), max_diff(probs[d["top_ids"]], d["top_p"]))
     assert worst <= 1e-5
     assert any(not u["is_listen"] for u in spec["units"])
+
+
+@pytest.mark.slow
+def test_basic_window_matches_official(duplex_model, golden):
+    """The official "basic" window (watermarks 300 / 250 here): whole units dropped oldest first, the kept keys
+    re-rotated; every later decision, id and logit still equal the official ones."""
+    g, arrays = golden
+    spec = g["sessions"]["basic_window"]
+    model, processor = duplex_model
+    s, _, units = run(model, processor, spec, decoding=DuplexDecoding(mode="greedy", tts_greedy=True),
+                      window=BasicWindow(**spec["window"]))
+    check_unit_protocol("basic_window", spec, units, arrays)
+    check_logits("basic_window", units, arrays)
+    dropped = np.cumsum([r.dropped_units for _, r, _, _ in units])
+    assert dropped.tolist() == [u["dropped_units_total"] for u in spec["units"]]
+    assert dropped[-1] > 0 and all(u["kv_length"] <= spec["window"]["high"] for u in spec["units"])
+    assert s.history.total_tokens == s.kv_length
+
+
+def rope_np(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
+    """NeoX RoPE in float64 NumPy: ``x`` [..., T, D] at positions ``pos`` [T] (independent of MLX's)."""
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d // 2, dtype=np.float64) * 2 / d)
+    ang = pos.astype(np.float64)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+    return x * cos + rot * sin
+
+
+def test_retention_policy_bounds_the_cache_and_keeps_unit_classes(tiny):
+    """OmniPick instead of the window: the cache stays under the high watermark; the history matches the cache
+    (length, next position = cache length); units keep their decision as label and their spans' kinds; each plan
+    is applied as planned: the kept rows' values unchanged, their keys rotated back by their shift (checked with
+    a NumPy RoPE)."""
+    model, processor = tiny
+    policy = make_policy("omnipick", high=200, low=150)
+    s = DuplexSession(model, processor, DuplexDecoding(mode="greedy"), generate_audio=False, retention=policy)
+    applied = []
+    plan_fn = policy.plan
+
+    def plan(history):
+        p = plan_fn(history)
+        if p is not None:
+            applied.append((p, [(np.array(c.keys[:, :, :c.offset]), np.array(c.values[:, :, :c.offset]))
+                                for c in s.cache]))
+        return p
+
+    policy.plan = plan
+    s.prepare("<|im_start|>system\nYou are a helpful assistant.", "<|im_end|>")
+    for u in range(10):
+        s.streaming_prefill(audio=make_audio(u), frames=[make_frame(u)] if u % 3 == 0 else None)
+        n_plans = len(applied)
+        r = s.streaming_generate()
+        assert s.history.total_tokens == s.kv_length == s.history.next_position() <= 200
+        assert s.history[0].label == "system" and s.history[0].length == s.preserve_length
+        assert s.history.stream_units[-1].label == r.decision
+        if len(applied) > n_plans:
+            p, before = applied[-1]
+            assert r.evicted_tokens == p.deleted_tokens > 0
+            keep, shifts = np.flatnonzero(p.keep_mask()), p.kept_token_shifts()
+            for (k0, v0), c in zip(before, s.cache):
+                np.testing.assert_array_equal(np.array(c.values[:, :, :c.offset]), v0[:, :, keep])
+                want = rope_np(k0[:, :, keep].astype(np.float64), -shifts, model.config.text.rope_theta)
+                assert max_diff(c.keys[:, :, :c.offset], want) < 1e-5
+    assert applied and s.dropped_tokens == sum(p.deleted_tokens for p, _ in applied)
+    kinds = {sp.kind for x in s.history.stream_units for sp in x.spans}
+    assert {SpanKind.AUDIO, SpanKind.BOUNDARY} <= kinds
+    with pytest.raises(ValueError, match="not both"):
+        DuplexSession(model, processor, window=BasicWindow(), retention=policy, generate_audio=False)
 
 
 def test_top_k_top_p_keeps_the_first_token_past_p():
