@@ -58,10 +58,23 @@ def test_duplex_window_bounds_the_cache(duplex_ckpt, media_dir, tmp_path):
     assert all(u["kv_length"] <= 120 for u in doc["units"])
 
 
+@pytest.mark.slow
+def test_duplex_retention_policy(duplex_ckpt, media_dir, tmp_path):
+    out = tmp_path / "units.json"
+    r = omnitide("duplex", "--model", duplex_ckpt, "--video", media_dir / "video_10s_av.mp4", "--seconds", 4,
+                 "--greedy", "--policy", "omnipick", "--high", "120", "--low", "100", "--json", out)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["evicted_tokens"] > 0 and all(u["kv_length"] <= 120 for u in doc["units"])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--window", "3:5"], "0 < LOW <= HIGH"),
     (["--window", "x"], "HIGH:LOW"),
     (["--speaker", "default"], "need --speak"),
+    (["--policy", "omnipick", "--window", "300:200"], "give one"),
+    (["--high", "300"], "need --policy"),
+    (["--policy", "fifo", "--high", "100", "--low", "200"], "above --high"),
 ])
 def test_bad_flags_are_usage_errors(duplex_ckpt, media_dir, extra, message):
     r = omnitide("duplex", "--model", duplex_ckpt, "--audio", media_dir / "video_10s_av.mp4", *extra)

@@ -8,7 +8,10 @@ import json
 import sys
 import time
 
-from .options import UsageError, add_model_arguments, check_output_file, non_negative_int, positive_float
+from .options import (UsageError, add_model_arguments, check_output_file, non_negative_int, positive_float,
+                      positive_int)
+
+RETENTION = ["omnitide", "omnipick", "fifo", "token", "streamingllm"]  # the policies that need no attention scores
 
 HELP = "full duplex on a video/audio file: each second the model listens or speaks (MiniCPM-o 4.5)"
 DESCRIPTION = """Run a model's full-duplex mode (MiniCPM-o 4.5: the official MiniCPMODuplex protocol) over a file,
@@ -22,6 +25,7 @@ examples:
   omnitide duplex --model ./MiniCPM-o-4_5 --audio talk.wav
   omnitide duplex --model ./MiniCPM-o-4_5 --video clip.mp4 --speak --audio-out reply.wav --json units.json
   omnitide duplex --model ./tiny-minicpmo --audio talk.wav --greedy --window 4000:3500
+  omnitide duplex --model ./MiniCPM-o-4_5 --video clip.mp4 --policy omnitide --high 2500 --low 1800
 """
 
 DEFAULT_PROMPT = "You are a helpful assistant."
@@ -50,6 +54,11 @@ def add_arguments(p) -> None:
     p.add_argument("--window", type=_window, default=None, metavar="HIGH:LOW",
                    help="the official basic window: past HIGH cache tokens, drop the oldest units down to LOW "
                         "(default: no window, the cache grows)")
+    p.add_argument("--policy", choices=RETENTION, default=None,
+                   help="OmniTide retention instead of a window: trims the cache past --high tokens toward --low, "
+                        "units keeping their classes (default: no retention, the cache grows)")
+    p.add_argument("--high", type=positive_int, default=None, help="--policy: high watermark in tokens (2500)")
+    p.add_argument("--low", type=positive_int, default=None, help="--policy: low watermark in tokens (1800)")
     p.add_argument("--speak", action="store_true",
                    help="voice the speaking units (the checkpoint's TTS and assets/token2wav) into --audio-out")
     p.add_argument("--speaker", default=None, metavar="NAME", help="the voice in assets/token2wav (with --speak)")
@@ -67,6 +76,15 @@ def _check(args):
     elif args.speaker or args.audio_out:
         raise UsageError("--speaker and --audio-out need --speak")
     check_output_file(args.json, "--json")
+    if args.policy is not None and args.window is not None:
+        raise UsageError("--policy and --window are two ways to bound the cache: give one")
+    if args.policy is None and (args.high is not None or args.low is not None):
+        raise UsageError("--high and --low need --policy")
+    if args.policy is not None:
+        args.high = args.high or 2500
+        args.low = args.low or min(1800, args.high)
+        if args.low > args.high:
+            raise UsageError(f"--low {args.low} is above --high {args.high}")
     if args.ref_audio is not None:
         from ..media_decode import check_file
 
@@ -102,8 +120,13 @@ def run(args) -> int:
         from ..speech import SpeechUnavailable
 
         try:
+            retention = None
+            if args.policy is not None:
+                from ..core.pick import make_policy
+
+                retention = make_policy(args.policy, high=args.high, low=args.low)
             session = model.duplex_session(processor, greedy=args.greedy, seed=args.seed, speak=args.speak,
-                                           speaker=args.speaker, window=args.window)
+                                           speaker=args.speaker, window=args.window, retention=retention)
         except SpeechUnavailable as e:
             print(f"{prog}: --speak: {e}", file=sys.stderr)
             return 1
@@ -141,6 +164,7 @@ def run(args) -> int:
                           "ids": unit.ids, "tts_tokens": len(unit.tts_tokens),
                           "audio_seconds": 0.0 if unit.audio is None else unit.audio.size / speech.sample_rate,
                           "kv_length": unit.kv_length, "dropped_units": unit.dropped_units,
+                          "evicted_tokens": unit.evicted_tokens,
                           "prefill_ms": round((t1 - t0) * 1000, 2), "generate_ms": round((t2 - t1) * 1000, 2)})
     except MediaError as e:
         print(f"{prog}: {e}", file=sys.stderr)
@@ -151,7 +175,8 @@ def run(args) -> int:
             writer.close()
         summary = {"units": len(units), "speaking_units": sum(u["decision"] == "speak" for u in units),
                    "kv_length": session.kv_length, "preserve_length": session.preserve_length,
-                   "dropped_units": session.dropped_units, "whisper_resets": session.whisper_resets,
+                   "dropped_units": session.dropped_units, "evicted_tokens": session.dropped_tokens,
+                   "whisper_resets": session.whisper_resets,
                    "wall_s": round(wall, 3), "peak_memory_mb": round(mx.get_peak_memory() / 2**20, 1)}
         print(f"{prog}: {summary['units']} units, {summary['speaking_units']} speaking, KV {summary['kv_length']} "
               f"tokens, {summary['dropped_units']} units dropped, {wall:.1f} s", file=sys.stderr)
