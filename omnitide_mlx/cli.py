@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "bench": "omnitide_mlx.commands.bench",
     "convert": "omnitide_mlx.commands.convert",
     "doctor": "omnitide_mlx.commands.doctor",
+    "duplex": "omnitide_mlx.commands.duplex",
     "eval": "omnitide_mlx.commands.eval",
     "generate": "omnitide_mlx.commands.generate",
     "serve": "omnitide_mlx.commands.serve",

@@ -84,6 +84,22 @@ class Model(nn.Module):
 
         return SimplexSession(self, processor, seed=seed)
 
+    def duplex_session(self, processor, greedy: bool = False, seed: int | None = None, speak: bool = False,
+                       speaker: str | None = None, window: tuple[int, int] | None = None, **kw):
+        """A full-duplex session (duplex.py, the official ``MiniCPMODuplex``); call its ``prepare`` first.
+        ``greedy``: argmax decisions and TTS tokens; ``speak``: voice the speaking units with the checkpoint's
+        token2wav (``SpeechUnavailable`` saying what is missing); ``window``: the official basic window (high, low)."""
+        from .duplex import BasicWindow, DuplexDecoding, DuplexSession
+
+        speech = None
+        if speak:
+            from .speech import load_minicpm_speech
+
+            speech = load_minicpm_speech(self, getattr(self, "checkpoint_path", None))
+        decoding = DuplexDecoding(mode="greedy", tts_greedy=True) if greedy else DuplexDecoding()
+        return DuplexSession(self, processor, decoding, speech=speech, speaker=speaker, seed=seed,
+                             window=BasicWindow(*window) if window is not None else None, **kw)
+
     def stream_adapter(self, processor, **kw):
         from .adapter import MiniCPMOStreamAdapter
 

@@ -137,12 +137,33 @@ def to_official_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+LISTEN_ID, TURN_EOS_ID, CHUNK_EOS_ID = 151705, 151717, 151718  # <|listen|>, <|turn_eos|>, <|chunk_eos|>
+
+
+def bias_for_duplex(weights: dict[str, np.ndarray], listen: float = 7.0, turn_eos: float = 9.0,
+                    chunk_eos: float = 5.0, turn_eos_embed: float = 50.0, coupling: float = 0.5) -> None:
+    """Bias random weights (official names, in place) so that a duplex session takes every path: the lm_head rows
+    of ``<|listen|>``, ``<|turn_eos|>`` and ``<|chunk_eos|>`` are scaled (each then wins the argmax for some
+    inputs), and ``<|turn_eos|>``'s embedding is scaled so that its final hidden state is close to the direction
+    ``norm.weight * embedding``, which is added to ``<|chunk_eos|>``'s row: a turn_eos is then often followed by
+    the unit's end, as a trained model does. Values picked on seed 6 (tests/models/minicpmo/test_duplex.py)."""
+    head, emb = weights["llm.lm_head.weight"], weights["llm.model.embed_tokens.weight"]
+    direction = weights["llm.model.norm.weight"] * emb[TURN_EOS_ID]
+    head[LISTEN_ID] *= np.float32(listen)
+    head[TURN_EOS_ID] *= np.float32(turn_eos)
+    head[CHUNK_EOS_ID] *= np.float32(chunk_eos)
+    head[CHUNK_EOS_ID] += (np.float32(coupling) * direction / np.linalg.norm(direction)).astype(np.float32)
+    emb[TURN_EOS_ID] *= np.float32(turn_eos_embed)
+
+
 def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Path | None = None,
-                         tts: bool = False, **config_overrides) -> Path:
+                         tts: bool = False, duplex_bias: bool = False, **config_overrides) -> Path:
     """Write a tiny random MiniCPM-o 4.5 checkpoint folder at ``dst`` (created); returns its path.
 
     ``config_overrides`` replace top-level config.json fields (dicts are merged), e.g. ``vocab_size=512`` for a
-    model without the tokenizer's vocabulary or ``vision_config={"num_hidden_layers": 3}``.
+    model without the tokenizer's vocabulary or ``vision_config={"num_hidden_layers": 3}``. ``duplex_bias``: random
+    weights almost never pick a control token such as ``<|listen|>``; ``bias_for_duplex`` raises them so that a
+    duplex session both listens and speaks.
     """
     from safetensors.numpy import save_file
 
@@ -155,6 +176,8 @@ def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Pa
     cfg = tiny_config(**config_overrides)
     model = Model(ModelConfig.from_dict(cfg))
     weights = to_official_layout(random_weights(model, seed))
+    if duplex_bias:
+        bias_for_duplex(weights)
     if tts:
         weights.update(random_tts_weights(cfg["tts_config"], seed + 7, eos_gain=5.0))  # chunks of ~25-100 tokens
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
