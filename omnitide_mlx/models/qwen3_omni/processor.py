@@ -8,6 +8,9 @@ Pillow bicubic + patchify, Whisper log-mel) with Qwen3-Omni's settings and marke
 - placeholders ``<|image_pad|>``, ``<|video_pad|>``, ``<|audio_pad|>`` inside ``<|vision_start|> .. <|vision_end|>``
   and ``<|audio_start|> .. <|audio_end|>``; each expands to one token per LLM token, audio to
   ``audio_token_count(frames)`` (13 per second);
+- audio: Whisper log-mel as the released processor computes one clip (``padding=True``, i.e. to the clip's own
+  length): the centred STFT reflects the clip's own end (no trailing zeros) and the last frame is dropped, so a clip
+  of n samples gives ``n // 160`` frames (Qwen2.5-Omni's processor pads to 300 s and gives ``ceil(n / 160)``);
 - ``use_audio_in_video``: the video's ``<|video_pad|>`` becomes ``<|audio_start|>``, its video and audio tokens
   merged in time order (video t = frame-patch index x ``second_per_grid`` x 13, audio t = index), ``<|audio_end|>``.
 """
@@ -18,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..audio_features import log_mel, resample
+from ..audio_features import power_mel, resample
+from ..base import MediaError
 from ..loading import CheckpointError
 from ..qwen2_5_omni.processor import VisionSettings, check_audio, load_tokenizer, read_preprocessor_config
 from .rope_index import audio_token_count, interleave_order, video_t_index
@@ -103,12 +107,19 @@ class Processor:
 
     # --- media --------------------------------------------------------------------------------------------
     def audio_features(self, audio, sampling_rate: int | None = None) -> np.ndarray:
-        """Log-mel ``[n_mels, frames]`` of one clip (resampled to 16 kHz first when needed)."""
+        """Log-mel ``[n_mels, n // hop]`` of one clip (resampled to 16 kHz first when needed), as
+        ``WhisperFeatureExtractor(padding=True)`` computes a clip on its own."""
         a = check_audio(audio)
         sr = self.sampling_rate if sampling_rate is None else int(sampling_rate)
         if sr != self.sampling_rate:
             a = resample(a, sr, self.sampling_rate)
-        return log_mel(a, self.n_mels, sample_rate=self.sampling_rate, n_fft=self.n_fft, hop_length=self.hop_length)
+        if a.shape[0] < self.hop_length:
+            raise MediaError(f"audio of {a.shape[0]} samples is shorter than one {self.hop_length}-sample frame")
+        mel = power_mel(a.astype(np.float64), self.n_mels, sample_rate=self.sampling_rate, n_fft=self.n_fft,
+                        hop_length=self.hop_length)[:, :-1]
+        logm = np.log10(np.maximum(mel, 1e-10))
+        logm = np.maximum(logm, logm.max() - 8.0)
+        return ((logm + 4.0) / 4.0).astype(np.float32)
 
     def interleave_video_audio(self, grid_thw, second_per_grid: float, n_audio: int) -> str:
         """The text that replaces ``<|video_pad|>`` when the video's audio is used."""
