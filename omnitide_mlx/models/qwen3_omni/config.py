@@ -210,3 +210,30 @@ class ModelConfig:
         return cls(text_config=TextConfig.from_dict(thinker["text_config"]),
                    vision_config=VisionConfig.from_dict(thinker["vision_config"]),
                    audio_config=AudioConfig.from_dict(thinker["audio_config"]), **kw)
+
+
+def released_thinker_config() -> dict:
+    """The ``thinker_config`` of ``Qwen/Qwen3-Omni-30B-A3B-Instruct``'s config.json (the sizes that matter for shape
+    and memory figures; the -Thinking and -Captioner thinkers share them). For sizing without weights."""
+    return {
+        "model_type": "qwen3_omni_moe_thinker", "audio_token_id": 151675, "image_token_id": 151655,
+        "video_token_id": 151656, "audio_start_token_id": 151669, "audio_end_token_id": 151670,
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "position_id_per_seconds": 13,
+        "seconds_per_chunk": 2, "user_token_id": 872,
+        "text_config": {"vocab_size": 152064, "hidden_size": 2048, "intermediate_size": 768,
+                        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+                        "rope_scaling": {"interleaved": True, "mrope_interleaved": True,
+                                         "mrope_section": [24, 20, 20], "rope_type": "default"},
+                        "max_position_embeddings": 65536, "tie_word_embeddings": False},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                          "out_hidden_size": 2048, "num_position_embeddings": 2304,
+                          "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"},
+        "audio_config": {"num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20,
+                         "encoder_ffn_dim": 5120, "d_model": 1280, "n_window": 50, "n_window_infer": 800,
+                         "conv_chunksize": 500, "downsample_hidden_size": 480, "max_source_positions": 1500,
+                         "output_dim": 2048},
+    }

@@ -1,5 +1,5 @@
 """``omnitide convert`` on a Qwen3-Omni folder: 4-bit experts through MLX's gathered quantised matmul, the routers,
-encoders, and norms kept in float, and the folder loads back to exactly the in-memory quantisation.
+encoders and norms kept in float, and the folder loads back to exactly the in-memory quantisation.
 
 The CLI finds ports through ``models.MODEL_TYPES``; until the family record registers Qwen3-Omni there, the test
 adds the entries itself (a no-op once they are registered)."""
@@ -57,7 +57,7 @@ def test_four_bit_conversion_round_trips(tmp_path, q3_ckpt, q3, inputs, register
     np.testing.assert_array_equal(logits, np.array(mem(**inputs)))
     ref = np.array(float_model(**inputs))
     diff = np.abs(logits - ref)
-    assert diff.max() < 2.5 and diff.mean() < 0.35, (diff.max(), diff.mean())  # measured 1.35 / 0.17
+    assert diff.max() < 2.5 and diff.mean() < 0.35, (diff.max(), diff.mean())  # measured 1.70 / 0.22 (embeddings and head 4-bit too)
     assert proc.encode("hello world") == q3[1].encode("hello world")
 
 
