@@ -96,6 +96,16 @@ class Model(nn.Module):
         Qwen2.5-Omni port and mlx-vlm."""
         return path.startswith("language_model.") and not path.endswith(".mlp.gate")
 
+    def kv_spec(self):
+        from .adapter import kv_spec
+
+        return kv_spec(self.config)
+
+    def stream_adapter(self, processor, **kw):
+        from .adapter import Qwen3OmniAdapter
+
+        return Qwen3OmniAdapter(self, processor, **kw)
+
     def make_cache(self):
         from mlx_lm.models.cache import KVCache
 
