@@ -29,11 +29,12 @@ largest position, where the stream continues one past it.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
-from ...core.stream_units import MediaSetting
+from ...core.stream_units import MediaSetting, StreamUnits
 from ...core.units import SpanKind, UnitKind
 from ...rope import RopeSpec
 from ..base import KVSpec, MediaError, PreparedUnit, StreamAdapter, spans_from_runs
@@ -88,6 +89,25 @@ def media_runs(start: int, grid, n_audio: int, *, merge: int = 2) -> list[tuple[
     return runs
 
 
+def stream_units(setting: MediaSetting | None = None, *, patch: int = 16, merge: int = 2, n_window: int = 50,
+                 sample_rate: int = 16000, frame: bool = True, audio: bool = True) -> StreamUnits:
+    """The media unit (a frame and ``setting.audio_seconds`` of audio in an open turn) the adapter builds at
+    ``setting`` (frame size ``setting.sim_frame_size``, pixel cap ``setting.max_pixels`` or the 128 x 32 x 32
+    floor), for the simulator and the benchmarks. Defaults are the released model's."""
+    setting = setting or MediaSetting()
+    grid = size = None
+    cap = setting.max_pixels or FRAME_MAX_PIXELS
+    if frame:
+        size = setting.sim_frame_size
+        grid = frame_grid(size[0], size[1], patch, merge, FRAME_MIN_PIXELS, cap)
+    n_audio = audio_token_count(int(round(setting.audio_seconds * sample_rate)) // HOP_LENGTH, n_window) if audio \
+        else 0
+    runs = media_runs(0, grid, n_audio, merge=merge)
+    detail = (("merged_grid", [grid[1] // merge, grid[2] // merge] if grid else None), ("max_pixels", cap))
+    return StreamUnits("qwen3_omni", setting, [(k, len(n)) for k, n, _ in runs],
+                       np.concatenate([p for _, _, p in runs], axis=1), frame_size=size, detail=detail)
+
+
 def kv_spec(config) -> KVSpec:
     """48 layers x 4 KV heads x 128 released; M-RoPE over 3 axes, NeoX halves over the whole head (a uniform shift
     of all axes is one plain rotation, so the cache's re-rotation after an eviction is exact)."""
@@ -129,6 +149,13 @@ class Qwen3OmniAdapter(StreamAdapter):
         self.turn_close = [ids["<|im_end|>"]] + self.newline + [ids["<|im_start|>"]] + processor.encode("assistant\n")
         self.stop_token_ids = frozenset({ids["<|im_end|>"], ids["<|endoftext|>"]})
         self.turn_open = False
+
+    def stream_units(self, frame: bool = True, audio: bool = True) -> StreamUnits:
+        """The media unit this adapter builds for a frame of the setting's size (see :func:`stream_units`)."""
+        vs = self.processor.vision
+        return stream_units(replace(self.media, max_pixels=self.frame_max_pixels), patch=vs.patch_size,
+                            merge=vs.merge_size, n_window=self.model.config.audio_config.n_window,
+                            sample_rate=self.sample_rate, frame=frame, audio=audio)
 
     def embed_tokens(self, ids) -> mx.array:
         return self.model.language_model.embed(mx.array(np.asarray(ids, dtype=np.int32)))

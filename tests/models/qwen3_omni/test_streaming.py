@@ -242,3 +242,22 @@ def test_kv_spec_rerotation_is_exact_for_interleaved_mrope(q3, av):
     shift = 37
     moved = spec.rope.rotate_sequence(rope(pos), np.full(pos.shape[1], -shift))
     np.testing.assert_allclose(np.array(moved), np.array(rope(pos - shift)), rtol=0, atol=2e-5)
+
+
+def test_stream_units_describe_the_units_the_adapter_builds(q3):
+    """The simulator's view of a unit (spans and relative positions) is the adapter's own unit at the same
+    setting; at the released defaults a VGA second is 117 frame tokens + 13 audio tokens + 4 markers."""
+    from omnitide_mlx.core.stream_units import MediaSetting
+    from omnitide_mlx.models.qwen3_omni.adapter import stream_units
+
+    model, proc = q3
+    adapter = model.stream_adapter(proc, media=MediaSetting(frame_size=(96, 64)))
+    adapter.turn_open = True
+    unit = adapter.media_unit(frame(3, 200, 120), audio(3), 0.0, 50)
+    su = adapter.stream_units()
+    assert [(s.kind, s.length) for s in unit.spans] == list(su.runs)
+    np.testing.assert_array_equal(unit.positions - 50, su.positions)
+    vga = stream_units(MediaSetting())
+    assert vga.tokens == 134 and dict(vga.detail)["merged_grid"] == [9, 13]
+    paper = stream_units(MediaSetting(max_pixels=768 * 32 * 32))
+    assert paper.tokens == 317
