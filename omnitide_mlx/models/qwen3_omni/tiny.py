@@ -112,9 +112,10 @@ def tiny_config(*, text_layers: int = 3, vision_depth: int = 3, audio_layers: in
                         "model_type": "qwen3_omni_moe_talker_text", "decoder_sparse_step": 1, "mlp_only_layers": []},
     }
     code2wav = {"codebook_size": 32, "decoder_dim": 32, "hidden_size": 32, "intermediate_size": 64,
-                "num_attention_heads": 2, "num_hidden_layers": 1, "num_key_value_heads": 2, "num_quantizers": 4,
-                "sliding_window": 8, "upsample_rates": [2, 2], "upsampling_ratios": [2, 2],
-                "model_type": "qwen3_omni_moe_code2wav"}
+                "num_attention_heads": 2, "num_hidden_layers": 2, "num_key_value_heads": 2, "num_quantizers": 4,
+                "sliding_window": 8, "upsample_rates": [2, 3], "upsampling_ratios": [2, 2], "rms_norm_eps": 1e-05,
+                "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "attention_bias": False,
+                "hidden_act": "silu", "model_type": "qwen3_omni_moe_code2wav"}
     return {"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "assistant_token_id": 77091,
             "code2wav_config": code2wav, "enable_audio_output": True, "im_end_token_id": ids["<|im_end|>"],
             "im_start_token_id": ids["<|im_start|>"], "model_type": "qwen3_omni_moe", "system_token_id": 8948,
@@ -174,6 +175,29 @@ def draw(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndar
         if name.endswith("mlp.gate.weight"):
             x *= 4.0
     return x.astype(np.float32)
+
+
+CODE2WAV_DECODER_GAIN = 0.5  # the random decoder's convs: at 1.0, 96 % of samples saturate at +-1; at 0.5, none
+
+
+def code2wav_tensors(code2wav: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Every ``code2wav.*`` tensor, random: as :func:`draw`, SnakeBeta log-parameters N(0, 0.2), LayerScales and
+    ConvNeXt gammas 0.5 (1 + N(0, 0.2)) so that every residual branch matters (released init: 0.01 and 1e-6)."""
+    from .code2wav import Code2WavConfig, hf_code2wav_shapes  # noqa: PLC0415
+
+    out = {}
+    for k, shape in hf_code2wav_shapes(Code2WavConfig.from_dict(code2wav)).items():
+        last = k.rsplit(".", 1)[-1]
+        if last in ("alpha", "beta"):
+            x = 0.2 * rng.standard_normal(shape)
+        elif last in ("scale", "gamma"):
+            x = 0.5 * (1 + 0.2 * rng.standard_normal(shape))
+        else:
+            x = draw(k, shape, rng)
+            if k.startswith("decoder.") and last == "weight":
+                x = x * CODE2WAV_DECODER_GAIN
+        out["code2wav." + k] = np.asarray(x, dtype=np.float32)
+    return out
 
 
 def write_tokenizer(dst: Path, tokenizer_dir: Path, vocab: str = "tiny") -> None:
@@ -238,7 +262,7 @@ def make_tiny_checkpoint(dst, *, tokenizer_dir, seed: int = 0, prefix: bool = Tr
     if prefix and extra_keys:
         tensors["talker.model.codec_embedding.weight"] = rng.standard_normal((64, 32)).astype(np.float32)
         tensors["talker.codec_head.weight"] = rng.standard_normal((64, 32)).astype(np.float32)
-        tensors["code2wav.code_embedding.weight"] = rng.standard_normal((128, 32)).astype(np.float32)
+        tensors.update(code2wav_tensors(config["code2wav_config"], rng))
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     with open(dst / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
