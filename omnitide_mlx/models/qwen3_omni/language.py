@@ -131,6 +131,37 @@ class TextModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Per-expert ``*.mlp.experts.{e}.{gate,up,down}_proj.weight`` (the released layout) -> one ``[experts, out, in]``
+    ``*.mlp.switch_mlp.{proj}.weight`` each; a transformers 5.x fused ``experts.gate_up_proj`` ``[E, 2I, H]`` is
+    split gate-first and ``experts.down_proj`` renamed. Other keys pass through."""
+    out: dict[str, mx.array] = {}
+    experts: dict[tuple[str, str], dict[int, mx.array]] = {}
+    for k, v in weights.items():
+        if ".mlp.experts." not in k:
+            out[k] = v
+            continue
+        prefix, rest = k.split(".mlp.experts.", 1)
+        parts = rest.split(".")
+        if parts[0].isdigit() and len(parts) == 3 and parts[1] in ("gate_proj", "up_proj", "down_proj"):
+            experts.setdefault((prefix, parts[1]), {})[int(parts[0])] = v
+        elif rest == "gate_up_proj":
+            half = v.shape[1] // 2
+            out[f"{prefix}.mlp.switch_mlp.gate_proj.weight"] = v[:, :half]
+            out[f"{prefix}.mlp.switch_mlp.up_proj.weight"] = v[:, half:]
+        elif rest == "down_proj":
+            out[f"{prefix}.mlp.switch_mlp.down_proj.weight"] = v
+        else:
+            out[k] = v
+    for (prefix, proj), by_expert in experts.items():
+        n = max(by_expert) + 1
+        if sorted(by_expert) != list(range(n)):
+            missing = sorted(set(range(n)) - set(by_expert))
+            raise ValueError(f"{prefix}.mlp.experts: experts {missing} have no {proj}")
+        out[f"{prefix}.mlp.switch_mlp.{proj}.weight"] = mx.stack([by_expert[e] for e in range(n)])
+    return out
+
+
 def add_deepstack(h: mx.array, slots: mx.array, feats: mx.array) -> mx.array:
     """``h`` with ``feats`` ``[n, H]`` added at the flat token indices ``slots`` (``[n]`` over ``B * T``)."""
     b, t, d = h.shape
@@ -192,10 +223,10 @@ class LanguageModel(nn.Module):
         with forward_step(cache, t, len(self.layers)) as layer_caches:
             for i, (layer, c) in enumerate(zip(self.layers, layer_caches)):
                 h = layer(h, cos, sin, c, mask)
+                if i + 1 in return_layers:  # the layer's own output, before DeepStack (what transformers records)
+                    kept[i + 1] = h
                 if i < len(levels):
                     h = add_deepstack(h, slots, levels[i])
-                if i + 1 in return_layers:
-                    kept[i + 1] = h
         out = self.model.norm(h)
         return (out, kept) if return_layers else out
 

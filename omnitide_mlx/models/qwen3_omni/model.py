@@ -13,7 +13,7 @@ import numpy as np
 
 from .audio import AudioEncoder
 from .config import ModelConfig
-from .language import LanguageModel
+from .language import LanguageModel, stack_experts
 from .rope_index import get_rope_index
 from .vision import VisionEncoder
 
@@ -28,8 +28,6 @@ def _np(x, dtype=None):
 def _mx(x, dtype=mx.float32):
     return x.astype(dtype) if isinstance(x, mx.array) else mx.array(np.asarray(x)).astype(dtype)
 
-
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class Model(nn.Module):
@@ -47,7 +45,6 @@ class Model(nn.Module):
         (``[experts, out, in]``; a 5.x fused ``gate_up_proj`` is split), flatten the Conv3d patch embedding and
         make the audio Conv2d weights channels-last."""
         out: dict[str, mx.array] = {}
-        experts: dict[tuple[str, str], dict[int, mx.array]] = {}
         for k, v in weights.items():
             if k.startswith(("talker.", "code2wav.")):
                 continue
@@ -59,20 +56,6 @@ class Model(nn.Module):
                 k = k[len("model."):]
             if k.startswith(("model.", "lm_head.")):
                 k = "language_model." + k
-            if ".mlp.experts." in k:
-                prefix, rest = k.split(".mlp.experts.", 1)
-                parts = rest.split(".")
-                if parts[0].isdigit() and len(parts) == 3 and parts[1] in EXPERT_PROJS:
-                    experts.setdefault((prefix, parts[1]), {})[int(parts[0])] = v
-                    continue
-                if rest == "gate_up_proj":  # [E, 2I, H]: gate rows first
-                    half = v.shape[1] // 2
-                    out[f"{prefix}.mlp.switch_mlp.gate_proj.weight"] = v[:, :half]
-                    out[f"{prefix}.mlp.switch_mlp.up_proj.weight"] = v[:, half:]
-                    continue
-                if rest == "down_proj":
-                    out[f"{prefix}.mlp.switch_mlp.down_proj.weight"] = v
-                    continue
             if k == "visual.patch_embed.proj.weight" and v.ndim == 5:
                 v = v.reshape(v.shape[0], -1)
             if k.startswith("audio_tower.conv2d") and k.endswith(".weight") and v.ndim == 4:
@@ -80,13 +63,7 @@ class Model(nn.Module):
             if k == "language_model.lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             out[k] = v
-        for (prefix, proj), by_expert in experts.items():
-            n = max(by_expert) + 1
-            if sorted(by_expert) != list(range(n)):
-                missing = sorted(set(range(n)) - set(by_expert))
-                raise ValueError(f"{prefix}.mlp.experts: experts {missing} have no {proj}")
-            out[f"{prefix}.mlp.switch_mlp.{proj}.weight"] = mx.stack([by_expert[e] for e in range(n)])
-        return out
+        return stack_experts(out)
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool:
         """Quantise the language model (attention, experts, dense MLPs, embeddings, LM head); the MoE routers and

@@ -4,8 +4,8 @@
 the released config.json layout (``model_type`` "qwen3_omni_moe", the thinker under ``thinker_config`` with 4.x
 ``rope_scaling`` {interleaved, mrope_interleaved, mrope_section} + ``rope_theta``, ``talker_config`` and
 ``code2wav_config`` beside it), ``model.safetensors`` with every thinker tensor under its released name (per-expert
-``mlp.experts.E.{gate,up,down}_proj.weight``, ``visual.merger_list.K``, ``audio_tower.conv2d1`` ...) plus some
-``talker.`` / ``code2wav.`` tensors the thinker must ignore, the Qwen2 BPE files with the Qwen3-Omni special tokens
+``mlp.experts.E.{gate,up,down}_proj.weight``, ``visual.merger_list.K``, ``audio_tower.conv2d1`` ...), a complete
+tiny talker, code predictor and Code2Wav (``talker.*``, ``code2wav.*``, which the thinker ignores), the Qwen2 BPE files with the Qwen3-Omni special tokens
 and ``preprocessor_config.json``.
 
 Every parameter is drawn at random so that no bug hides behind a default: weights N(0, 1/fan_in), biases
@@ -91,34 +91,43 @@ def tiny_config(*, text_layers: int = 3, vision_depth: int = 3, audio_layers: in
         "video_token_id": ids["<|video_pad|>"], "vision_config": vision,
         "vision_end_token_id": ids["<|vision_end|>"], "vision_start_token_id": ids["<|vision_start|>"],
     }
-    talker = {  # the released talker_config's fields, tiny (the thinker ignores it; the talker port reads it)
+    talker = {  # the released talker_config's fields, tiny: codebook-0 codes are 0..31 (= Code2Wav's codebook),
+        # the top 1,024 codec ids are the specials (transformers suppresses them all but codec_eos)
         "accept_hidden_layer": 2, "audio_end_token_id": ids["<|audio_end|>"],
         "audio_start_token_id": ids["<|audio_start|>"], "audio_token_id": ids["<|audio_pad|>"],
-        "codec_bos_id": 37, "codec_eos_token_id": 38, "codec_nothink_id": 43, "codec_pad_id": 36,
-        "codec_think_bos_id": 44, "codec_think_eos_id": 45, "image_token_id": ids["<|image_pad|>"],
+        "codec_bos_id": 1041, "codec_eos_token_id": 1042, "codec_nothink_id": 1043, "codec_pad_id": 1040,
+        "codec_think_bos_id": 1044, "codec_think_eos_id": 1045, "image_token_id": ids["<|image_pad|>"],
         "model_type": "qwen3_omni_moe_talker", "num_code_groups": 4, "output_router_logits": False,
         "position_id_per_seconds": 13, "seconds_per_chunk": 2,
-        "speaker_id": {"chelsie": 46, "ethan": 47, "aiden": 48}, "spatial_merge_size": 2, "thinker_hidden_size": 64,
-        "video_token_id": ids["<|video_pad|>"], "vision_start_token_id": ids["<|vision_start|>"],
+        "speaker_id": {"chelsie": 1046, "ethan": 1047, "aiden": 1048}, "spatial_merge_size": 2,
+        "thinker_hidden_size": 64, "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
         "code_predictor_config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-                                  "num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 16,
+                                  "num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 16,
                                   "vocab_size": 32, "num_code_groups": 4, "rms_norm_eps": 1e-06,
-                                  "rope_theta": 1000000, "model_type": "qwen3_omni_moe_talker_code_predictor"},
-        "text_config": {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
+                                  "rope_theta": 1000000, "sliding_window": None, "use_sliding_window": False,
+                                  "model_type": "qwen3_omni_moe_talker_code_predictor"},
+        "text_config": {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 4,
                         "num_experts_per_tok": 2, "norm_topk_prob": False, "num_attention_heads": 2,
-                        "num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 64,
+                        "num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 1056,
                         "shared_expert_intermediate_size": 32, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
-                        "rope_scaling": {"interleaved": True, "mrope_section": [3, 3, 2], "rope_type": "default"},
-                        "model_type": "qwen3_omni_moe_talker_text", "decoder_sparse_step": 1, "mlp_only_layers": []},
+                        "rope_scaling": {"interleaved": True, "mrope_interleaved": True, "mrope_section": [4, 2, 2],
+                                         "rope_type": "default"},
+                        "sliding_window": None, "use_sliding_window": False, "hidden_act": "silu",
+                        "model_type": "qwen3_omni_moe_talker_text", "decoder_sparse_step": 1,
+                        "mlp_only_layers": []},
     }
     code2wav = {"codebook_size": 32, "decoder_dim": 32, "hidden_size": 32, "intermediate_size": 64,
                 "num_attention_heads": 2, "num_hidden_layers": 2, "num_key_value_heads": 2, "num_quantizers": 4,
                 "sliding_window": 8, "upsample_rates": [2, 3], "upsampling_ratios": [2, 2], "rms_norm_eps": 1e-05,
                 "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "attention_bias": False,
                 "hidden_act": "silu", "model_type": "qwen3_omni_moe_code2wav"}
-    return {"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "assistant_token_id": 77091,
+    # the role tokens after <|im_start|>: "user" is one token in the tiny vocabulary too; "assistant" and "system"
+    # split, and transformers' talker prompt reads the first piece
+    assistant, system = (395, 82) if vocab == "tiny" else (77091, 8948)
+    return {"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "assistant_token_id": assistant,
             "code2wav_config": code2wav, "enable_audio_output": True, "im_end_token_id": ids["<|im_end|>"],
-            "im_start_token_id": ids["<|im_start|>"], "model_type": "qwen3_omni_moe", "system_token_id": 8948,
+            "im_start_token_id": ids["<|im_start|>"], "model_type": "qwen3_omni_moe", "system_token_id": system,
             "talker_config": talker, "thinker_config": thinker, "transformers_version": "4.57.0.dev0",
             "tts_bos_token_id": ids["<tts_text_bos>"], "tts_eos_token_id": ids["<tts_text_eod>"],
             "tts_pad_token_id": ids["<tts_pad>"], "user_token_id": 872}
@@ -175,6 +184,14 @@ def draw(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndar
         if name.endswith("mlp.gate.weight"):
             x *= 4.0
     return x.astype(np.float32)
+
+
+def talker_tensors(talker: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Every ``talker.*`` tensor (per-expert, as released), drawn as :func:`draw` draws the thinker's."""
+    from .talker import TalkerConfig, hf_talker_shapes  # noqa: PLC0415
+
+    return {"talker." + k: draw(k, shape, rng)
+            for k, shape in hf_talker_shapes(TalkerConfig.from_dict(talker)).items()}
 
 
 CODE2WAV_DECODER_GAIN = 0.5  # the random decoder's convs: at 1.0, 96 % of samples saturate at +-1; at 0.5, none
@@ -246,7 +263,7 @@ def make_tiny_checkpoint(dst, *, tokenizer_dir, seed: int = 0, prefix: bool = Tr
     """Write a random tiny Qwen3-Omni checkpoint to ``dst`` (a folder) and return its path.
 
     ``tokenizer_dir``: a folder with the Qwen2 ``vocab.json`` + ``merges.txt`` (tests/data/tokenizers/qwen2).
-    ``prefix`` / ``extra_keys``: the released layout (``thinker.`` names, some talker and code2wav tensors); turn
+    ``prefix`` / ``extra_keys``: the released layout (``thinker.`` names, every talker and code2wav tensor); turn
     them off for a bare-thinker checkpoint. ``sizes``: the keywords of :func:`tiny_config`."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
@@ -260,8 +277,7 @@ def make_tiny_checkpoint(dst, *, tokenizer_dir, seed: int = 0, prefix: bool = Tr
     pre = "thinker." if prefix else ""
     tensors = {pre + k: draw(k, shape, rng) for k, shape in thinker_weight_shapes(thinker).items()}
     if prefix and extra_keys:
-        tensors["talker.model.codec_embedding.weight"] = rng.standard_normal((64, 32)).astype(np.float32)
-        tensors["talker.codec_head.weight"] = rng.standard_normal((64, 32)).astype(np.float32)
+        tensors.update(talker_tensors(config["talker_config"], rng))
         tensors.update(code2wav_tensors(config["code2wav_config"], rng))
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     with open(dst / "config.json", "w", encoding="utf-8") as f:
