@@ -1,0 +1,97 @@
+"""Spoken replies of Qwen3-Omni on MLX: the thinker's states -> talker and code predictor (16 codebooks at 12.5 Hz)
+-> Code2Wav (24 kHz), as transformers 5.24's ``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)``
+computes them with greedy decoding (talker.py, code2wav.py).
+
+``load_speech(folder, config)`` -> :class:`Speech`; ``speech.reply(model, inputs, generated, speaker)`` -> (codes
+``[16, frames]``, waveform ``[samples]``) for a reply the thinker already generated; :func:`generate` runs both
+stages like transformers' ``generate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .code2wav import Code2Wav, load_code2wav
+from .talker import Talker, load_talker, talker_prompt
+
+
+@dataclass
+class Speech:
+    talker: Talker
+    code2wav: Code2Wav
+    config: dict  # the full config.json (token ids of the talker prompt)
+
+    @property
+    def sample_rate(self) -> int:
+        return 24000
+
+    def thinker_states(self, model, inputs: dict, generated: list[int]) -> tuple[mx.array, mx.array]:
+        """The thinker's input embeddings and its ``accept_hidden_layer`` output over the prompt and the reply but
+        its last token (what transformers' generate recorded), batch 1."""
+        embeds, positions, _, _, deepstack = model.prepare(**inputs)
+        if embeds.shape[0] != 1:
+            raise ValueError("spoken replies take one sequence (batch 1)")
+        pos = positions[:, 0]
+        prev = list(generated[:-1])
+        if prev:
+            embeds = mx.concatenate([embeds, model.language_model.embed(mx.array([prev]))], axis=1)
+            nxt = pos.max() + 1 + np.arange(len(prev), dtype=np.float32)
+            pos = np.concatenate([pos, np.broadcast_to(nxt, (3, len(prev)))], axis=1)
+        layer = self.talker.config.accept_hidden_layer
+        _, kept = model.language_model.hidden_states(embeds, None, pos, deepstack=deepstack, return_layers=(0, layer))
+        return kept[0], kept[layer]
+
+    def talker_positions(self, model, talker_ids: np.ndarray, inputs: dict) -> np.ndarray:
+        """M-RoPE positions of the talker prompt: the thinker's rule over the talker's ids when media are present
+        (transformers' ``compute_3d_position_ids``), else sequential."""
+        media = any(inputs.get(k) is not None for k in ("image_grid_thw", "video_grid_thw", "feature_attention_mask"))
+        n = talker_ids.shape[0]
+        if not media:
+            return np.broadcast_to(np.arange(n, dtype=np.float32), (3, n))
+        pos, _ = model.get_rope_index(talker_ids[None], inputs.get("image_grid_thw"), inputs.get("video_grid_thw"),
+                                      None, inputs.get("use_audio_in_video", False),
+                                      inputs.get("feature_attention_mask"), inputs.get("video_second_per_grid"))
+        return pos[:, 0]
+
+    def reply(self, model, inputs: dict, generated: list[int], speaker: str = "Ethan", *,
+              max_new_tokens: int = 4096, eos_ids=None, stream_joins: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(codes ``[num_code_groups, frames]``, waveform ``[samples]`` float32 at 24 kHz) for ``generated`` (the
+        thinker's reply ids, its stop token included) to the prompt ``inputs``. ``stream_joins``: decode with
+        :meth:`Code2Wav.decode_stream` (no holes at 300-frame joins) rather than transformers' ``chunked_decode``;
+        both are the same below 300 frames (24 s)."""
+        if eos_ids is None:
+            eos_ids = (self.config["im_end_token_id"],)
+        embeds0, hidden = self.thinker_states(model, inputs, generated)
+        prompt, talker_ids, trailing, pad = talker_prompt(model, self.talker, self.config, inputs["input_ids"],
+                                                          generated, embeds0, hidden, speaker, eos_ids=eos_ids)
+        positions = self.talker_positions(model, talker_ids, inputs)
+        codes = self.talker.generate(prompt, positions, trailing, pad, max_new_tokens=max_new_tokens)
+        if codes.shape[1] == 0:
+            return codes, np.zeros(0, dtype=np.float32)
+        if stream_joins:
+            wav = mx.concatenate(list(self.code2wav.decode_stream(codes[None])), axis=-1)
+        else:
+            wav = self.code2wav.chunked_decode(codes[None])
+        return codes, np.array(wav.astype(mx.float32)).reshape(-1)
+
+
+def load_speech(path, config: dict) -> Speech:
+    """The talker, code predictor and Code2Wav of a released checkpoint folder (a -Thinking one has none)."""
+    path = Path(path)
+    return Speech(load_talker(path, config), load_code2wav(path, config), config)
+
+
+def generate(model, speech: Speech, inputs: dict, *, speaker: str = "Ethan", thinker_max_new_tokens: int = 1024,
+             talker_max_new_tokens: int = 4096, eos_ids=None) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Both stages, greedy, as transformers' ``generate(return_audio=True, talker_do_sample=False)``: (reply ids,
+    codes, waveform)."""
+    if eos_ids is None:
+        eos_ids = (speech.config["im_end_token_id"],)
+    generated = model.generate(max_new_tokens=thinker_max_new_tokens, stop_token_ids=eos_ids, **inputs)
+    codes, wav = speech.reply(model, inputs, generated, speaker, max_new_tokens=talker_max_new_tokens,
+                              eos_ids=eos_ids, stream_joins=False)
+    return generated, codes, wav

@@ -1,0 +1,149 @@
+"""Spoken replies against transformers' Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True) with greedy
+decoding, on the tiny checkpoint's complete random talker (MoE with a shared expert, 2 layers), code predictor and
+Code2Wav: the reply ids, the talker prompt and trailing rows, every codebook of every frame, and the waveform."""
+
+import json
+
+import numpy as np
+import pytest
+
+from omnitide_mlx.models.qwen3_omni.speech import generate, load_speech
+
+torch = pytest.importorskip("torch")
+
+THINKER_EOS = 1002  # <|im_end|> in the tiny vocabulary
+WAV_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hf_full(q3_ckpt):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(q3_ckpt, dtype=torch.float32,
+                                                                       output_loading_info=True)
+    assert not any(info.values()), info
+    model.eval()
+    captured = {}
+    original = model.talker.generate
+
+    def keep(*args, **kw):  # records the talker's inputs and result; transformers' generate returns only audio
+        if captured.get("use_audio_in_video"):  # the second 5.24 quirk (docs): generate does not pass it on
+            kw["use_audio_in_video"] = True
+        captured["kwargs"], captured["result"] = kw, original(*args, **kw)
+        return captured["result"]
+
+    model.talker.generate = keep
+    # transformers 5.24 bug: the talker's M-RoPE reads ``self.config.audio_config.n_window``, which the talker
+    # config lacks, so a spoken reply to a prompt with audio and an image or video raises AttributeError (the
+    # thinker's audio window is what the positions need; docs/models/qwen3_omni.md)
+    model.talker.config.audio_config = model.config.thinker_config.audio_config
+    return model, captured
+
+
+@pytest.fixture(scope="module")
+def speech(q3_ckpt):
+    return load_speech(q3_ckpt, json.loads((q3_ckpt / "config.json").read_text()))
+
+
+def hf_generate(hf_full, inputs, speaker="Ethan"):
+    model, captured = hf_full
+    captured["use_audio_in_video"] = inputs.get("use_audio_in_video", False)
+    t = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+    if "video_second_per_grid" in t:
+        t["video_second_per_grid"] = t["video_second_per_grid"].float()
+    with torch.no_grad():
+        seq, wav = model.generate(**t, speaker=speaker, thinker_max_new_tokens=6, thinker_eos_token_id=THINKER_EOS,
+                                  talker_do_sample=False, talker_max_new_tokens=9)
+    r = captured["result"]
+    codes = torch.stack([h[-1] for h in r.hidden_states if h[-1] is not None], dim=1).transpose(1, 2)[0].numpy()
+    return seq[0, inputs["input_ids"].shape[1]:].tolist(), codes, wav.reshape(-1).numpy(), captured["kwargs"]
+
+
+def case_inputs(proc, case):
+    rng = np.random.default_rng(11)
+    q = "<|im_start|>user\n{}Say something.<|im_end|>\n<|im_start|>assistant\n"
+    if case == "text":
+        return proc(q.format(""))
+    if case == "audio":
+        return proc(q.format("<|audio_start|><|audio_pad|><|audio_end|>"),
+                    audio=[(0.1 * rng.standard_normal(24000)).astype(np.float32)])
+    if case == "video_audio":
+        frames = rng.integers(0, 256, (4, 64, 64, 3), dtype=np.uint8)
+        return proc(q.format("<|vision_start|><|video_pad|><|vision_end|>"), videos=[frames],
+                    audio=[(0.1 * rng.standard_normal(32000)).astype(np.float32)], use_audio_in_video=True,
+                    video_min_pixels=64 * 64, video_max_pixels=64 * 64)
+    if case == "image_audio":
+        img = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+        return proc(q.format("<|vision_start|><|image_pad|><|vision_end|><|audio_start|><|audio_pad|><|audio_end|>"),
+                    images=[img], audio=[(0.1 * rng.standard_normal(20000)).astype(np.float32)])
+    raise ValueError(case)
+
+
+def test_transformers_talker_crashes_on_audio_with_vision(q3, hf_full):
+    """The bug the fixture works around, reproduced: without the thinker's audio config on the talker config,
+    transformers cannot speak a reply to an image + audio prompt (the port can: the tests below)."""
+    model, _ = hf_full
+    saved = model.talker.config.audio_config
+    del model.talker.config.audio_config
+    try:
+        with pytest.raises(AttributeError, match="audio_config"):
+            hf_generate(hf_full, case_inputs(q3[1], "image_audio"))
+    finally:
+        model.talker.config.audio_config = saved
+
+
+@pytest.mark.parametrize("case", ["text", "audio", "image_audio", "video_audio"])
+def test_spoken_reply_matches_transformers(q3, hf_full, speech, case):
+    model, proc = q3
+    inputs = case_inputs(proc, case)
+    ref_ids, ref_codes, ref_wav, kw = hf_generate(hf_full, inputs)
+    ids, codes, wav = generate(model, speech, inputs, thinker_max_new_tokens=6, talker_max_new_tokens=9,
+                               eos_ids=(THINKER_EOS,))
+    assert ids == ref_ids
+    assert ref_codes.shape[0] == 4 and ref_codes.shape[1] >= 2  # all four codebooks of every frame
+    np.testing.assert_array_equal(codes, ref_codes)
+    assert wav.shape == ref_wav.shape and np.abs(ref_wav).mean() > 0.1
+    np.testing.assert_allclose(wav, ref_wav, rtol=0, atol=WAV_TOL)
+
+
+def test_talker_prompt_rows_match(q3, hf_full, speech):
+    """The talker's prompt (user rows, nine assistant rows) and its trailing text rows, before any decoding."""
+    from omnitide_mlx.models.qwen3_omni.talker import talker_prompt
+
+    model, proc = q3
+    inputs = case_inputs(proc, "audio")
+    ref_ids, _, _, kw = hf_generate(hf_full, inputs, speaker="Chelsie")
+    embeds0, hidden = speech.thinker_states(model, inputs, ref_ids)
+    prompt, talker_ids, trailing, pad = talker_prompt(model, speech.talker, speech.config, inputs["input_ids"],
+                                                      ref_ids, embeds0, hidden, "Chelsie", eos_ids=(THINKER_EOS,))
+    np.testing.assert_array_equal(talker_ids, kw["talker_input_ids"][0].numpy())
+    np.testing.assert_allclose(np.array(prompt), kw["inputs_embeds"].numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.array(trailing), kw["trailing_text_hidden"].numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.array(pad), kw["tts_pad_embed"].numpy(), rtol=0, atol=1e-6)
+
+
+def test_unknown_speaker_is_refused(q3, speech):
+    model, proc = q3
+    inputs = case_inputs(proc, "text")
+    with pytest.raises(ValueError, match="unknown speaker 'Nobody'"):
+        speech.reply(model, inputs, [5, 6, THINKER_EOS], "Nobody", eos_ids=(THINKER_EOS,))
+
+
+def test_transformers_talker_drops_use_audio_in_video(q3, hf_full, speech):
+    """transformers' generate does not hand ``use_audio_in_video`` to the talker, whose positions then treat the
+    interleaved block as one audio run; the port keeps the thinker's layout (the released intent), so the two
+    differ unless the flag is passed on (the test above)."""
+    model, proc = q3
+    _, captured = hf_full
+    inputs = case_inputs(proc, "video_audio")
+    t = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+    t["video_second_per_grid"] = t["video_second_per_grid"].float()
+    captured["use_audio_in_video"] = False
+    with torch.no_grad():
+        hf_full[0].generate(**t, speaker="Ethan", thinker_max_new_tokens=6, thinker_eos_token_id=THINKER_EOS,
+                            talker_do_sample=False, talker_max_new_tokens=9)
+    r = captured["result"]
+    ref = torch.stack([h[-1] for h in r.hidden_states if h[-1] is not None], dim=1).transpose(1, 2)[0].numpy()
+    _, codes, _ = generate(model, speech, inputs, thinker_max_new_tokens=6, talker_max_new_tokens=9,
+                           eos_ids=(THINKER_EOS,))
+    assert not np.array_equal(codes, ref)
