@@ -15,6 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2, kv_bits: int | None = None,
+                       group_size: int = 64) -> int:
+    """K and V bytes of one token over all layers, the one definition (the caches, the budgets, the simulator and
+    the benchmarks all call it): float, ``2 x layers x kv_heads x head_dim x dtype_bytes``; quantised to
+    ``kv_bits``, a row is the packed values plus a scale and a bias (``dtype_bytes`` each, the cache dtype's) per
+    group of ``group_size``, as mlx's ``quantize`` stores it."""
+    if not kv_bits:
+        row = head_dim * dtype_bytes
+    else:
+        row = head_dim * kv_bits // 8 + 2 * (head_dim // group_size) * dtype_bytes
+    return 2 * layers * kv_heads * row
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """One language model's shape (the decoder that holds the KV cache)."""
@@ -31,9 +44,9 @@ class ModelShape:
     rope_theta: float = 1e6
     source: str = ""  # where the figures come from
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of every layer: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int = 2, kv_bits: int | None = None, group_size: int = 64) -> int:
+        """K and V of every layer for one token (:func:`kv_bytes_per_token`)."""
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype_bytes, kv_bits, group_size)
 
     def linear_macs_per_token(self) -> int:
         """Multiply-adds of one token through one layer's projections and MLP (norms, RoPE, biases left out)."""

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..core.shapes import kv_bytes_per_token
 from ..core.stream_units import MediaSetting
 from .loading import CheckpointError, load_config
 
@@ -58,17 +59,6 @@ def weight_float_bytes(path: Path, config: dict) -> int:
         return counts.most_common(1)[0][0]
     dtype = config.get("torch_dtype") or (config.get("thinker_config") or {}).get("torch_dtype")
     return CONFIG_FLOAT_BYTES.get(str(dtype), 2)
-
-
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, kv_bits: int | None = None,
-                       kv_group_size: int = 64) -> int:
-    """K and V bytes of one token over all layers (as OmniCache counts them; quantised: packed values plus a scale
-    and a bias per group)."""
-    if not kv_bits:
-        row = head_dim * dtype_bytes
-    else:
-        row = head_dim * kv_bits // 8 + 2 * (head_dim // kv_group_size) * dtype_bytes
-    return 2 * num_layers * kv_heads * row
 
 
 def kv_need(path: str | Path, *, media: MediaSetting | None = None, frame_size: tuple[int, int] | None = None,

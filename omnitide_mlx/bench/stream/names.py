@@ -50,7 +50,4 @@ def split_variant(name: str) -> tuple[str, int | None]:
 def real_kv_bytes_per_token(prof, bits: int | None, group_size: int) -> int:
     """K and V bytes of one token of the real model (all layers, the paper's fp16 KV); quantised: packed values
     plus fp16 scales and biases per group of ``group_size``."""
-    if not bits:
-        return prof.kv_bytes_per_token
-    row = prof.head_dim * bits // 8 + 2 * (prof.head_dim // group_size) * prof.kv_dtype_bytes
-    return 2 * prof.layers * prof.kv_heads * row
+    return prof.shape.kv_bytes_per_token(prof.kv_dtype_bytes, bits, group_size)
