@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import OmniTideError
+from .pick import DEFAULT_HIGH, DEFAULT_LOW
 from .shapes import SHAPES, ModelShape
 from .stream_units import StreamUnits
 from .units import SpanKind, Unit, UnitKind
@@ -43,8 +44,8 @@ class ModelProfile:
     shape: ModelShape  # the language model's shape (core/shapes.py)
     system_tokens: int = 40  # the protected prefix (system prompt + the opening of the user turn)
     kv_dtype_bytes: int = 2  # fp16 KV, as in the paper's runs
-    high: int = 2500
-    low: int = 1800
+    high: int = DEFAULT_HIGH  # the watermarks (the family record's; core.pick's default when it gives none)
+    low: int = DEFAULT_LOW
     pick: dict = field(default_factory=dict)  # OmniPick knobs for this model
     layout_kw: dict = field(default_factory=dict)  # model-side settings the unit layout needs (audio pooling, ...)
     units: StreamUnits | None = None  # the media unit at a setting (models/stream_units.py fills it in)

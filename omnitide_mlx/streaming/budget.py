@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from ..core.pick import RetentionPolicy, make_policy
+from ..core.pick import DEFAULT_HIGH, DEFAULT_LOW, RetentionPolicy, make_policy
 
 
 RESERVE_PAGES = 2  # a KV budget's high watermark sits this many pages under its ceiling (see watermarks_for_budget)
@@ -46,7 +46,7 @@ def budget_slots(budget_bytes: int, bytes_per_token: int, page_size: int = 64) -
     return budget_bytes // bytes_per_token // page_size * page_size
 
 
-def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = 0.72, *,
+def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = DEFAULT_LOW / DEFAULT_HIGH, *,
                           page_size: int = 64, low: int | None = None) -> tuple[int, int]:
     """High / low watermarks (tokens) under a KV budget: users think in memory.
 

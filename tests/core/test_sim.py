@@ -61,11 +61,11 @@ def test_qwen_unit_uses_tmrope_positions():
 
 
 def test_policy_defaults_come_from_the_profile_and_keywords_win():
-    p = make_policy("omnitide", profile="minicpm-o-4.5")
+    p = make_policy("omnitide", profile=get_profile("minicpm-o-4.5"))
     assert (p.high, p.low) == (2500, 1800) and p.recent_units == 2
-    p = make_policy("omnitide", profile="minicpm-o-4.5", slice_sink=5, low=1000)
+    p = make_policy("omnitide", profile=get_profile("minicpm-o-4.5"), slice_sink=5, low=1000)
     assert p.slice_sink == 5 and p.low == 1000
-    assert make_policy("streamingllm", profile="qwen2.5-omni-7b").sink == 2  # OmniPick knobs are filtered out
+    assert make_policy("streamingllm", profile=get_profile("qwen2.5-omni-7b")).sink == 2  # OmniPick knobs are filtered out
     with pytest.raises(ProfileError, match="unknown profile"):
         get_profile("llava")
 

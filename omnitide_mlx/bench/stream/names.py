@@ -1,10 +1,12 @@
 """Names and constants of ``omnitide bench stream``: the variants, their groupings, the goals and the paper's
-figures, and the pure helpers on variant names. Imports no array framework: the plots, the goals and the
+figures, and the pure helpers on variant names. Imports no array framework (the policy names are core.pick's): the plots, the goals and the
 variants all read these, so no two of them have to import each other."""
 
 from __future__ import annotations
 
-ENGINE_POLICIES = ("full", "fifo", "token", "streamingllm", "h2o", "omnipick", "omnitide", "eager")
+from ...core.pick import POLICY_NAMES
+
+ENGINE_POLICIES = POLICY_NAMES  # core.pick's registry, in its order (the order of the JSON's rows)
 MLX_LM_VARIANTS = ("mlx_kvcache", "mlx_rotating")
 VARIANTS = ENGINE_POLICIES + MLX_LM_VARIANTS
 MLX_LM_QUANT = "mlx_quantized"  # mlx-lm's QuantizedKVCache (unbounded, quantised): with --kv-bits
