@@ -10,7 +10,8 @@ import pytest
 from omnitide_mlx.cli import main as cli_main
 from omnitide_mlx.core.page import AllocClass
 from omnitide_mlx.core.pick import H2O, OmniPick, StreamingLLM, make_policy
-from omnitide_mlx.core.profiles import PROFILES, ProfileError, StreamSpec, get_profile
+from omnitide_mlx.core.profiles import ProfileError, StreamSpec
+from omnitide_mlx.models.family import get_profile, profiles
 from omnitide_mlx.core.layout import LAYOUT_NAMES
 from omnitide_mlx.core.sim import SimError, Simulator, page_table_at, simulate, snapshot_at
 from omnitide_mlx.core.units import SpanKind
@@ -80,7 +81,7 @@ def test_stream_is_deterministic_by_seed():
         StreamSpec(10, reply_tokens=(5, 2))
 
 
-@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("profile", sorted(profiles()))
 @pytest.mark.parametrize("policy", ["omnitide", "fifo", "token", "streamingllm", "h2o", "full"])
 def test_simulator_keeps_tables_and_history_in_step(profile, policy):
     """check=True validates every layout's table against the history after each update (invariant 6)."""
