@@ -16,6 +16,7 @@ import numpy as np
 
 from .cache_layer import stochastic_round
 from .core.paged_cache import CacheError, check_saved_buffers
+from .core.shapes import kv_bytes_per_token
 from .kernels import page_compact
 from .kernels.quantized import dequantize_rows, quantize_rows
 
@@ -51,10 +52,7 @@ class MlxKVStorage:
     def bytes_per_token(self) -> int:
         """K and V bytes of one token across all layers; quantised: packed values plus scales and biases."""
         c = self.cache
-        if not c.kv_bits:
-            return 2 * c.num_layers * c.kv_heads * c.head_dim * self.dtype_bytes
-        row = c.head_dim * c.kv_bits // 8 + 2 * (c.head_dim // c.kv_group_size) * self.dtype_bytes
-        return 2 * c.num_layers * c.kv_heads * row
+        return kv_bytes_per_token(c.num_layers, c.kv_heads, c.head_dim, self.dtype_bytes, c.kv_bits, c.kv_group_size)
 
     def grow(self, old: int, new: int) -> None:
         for layer in self.cache.layers:

@@ -81,9 +81,7 @@ class MlxBackend:
         return layout_spec(name)
 
     def kv_bytes_per_token(self, spec, dtype, kv_quant: dict) -> int:
-        if not kv_quant:
-            return spec.bytes_per_token(dtype)
-        return OmniCache.for_spec(spec, dtype=dtype, **kv_quant).bytes_per_token
+        return spec.bytes_per_token(dtype, kv_quant.get("kv_bits"), kv_quant.get("kv_group_size", 64))
 
     def make_cache(self, model, spec, *, dtype, placement, page_size, subblock_size, collect_scores,
                    kv_quant) -> OmniCache:

@@ -147,5 +147,11 @@ def test_quantised_bytes_per_token_as_the_cache_counts_them(bits, group):
     spec = KVSpec(num_layers=28, kv_heads=4, head_dim=128, rope=RopeSpec(128, 1e6), position_axes=3)
     for dtype, size in ((mx.bfloat16, 2), (mx.float32, 4)):
         cache = OmniCache.for_spec(spec, dtype=dtype, kv_bits=bits, kv_group_size=group)
-        assert kv_bytes_per_token(28, 4, 128, size, bits, group) == cache.bytes_per_token
+        assert kv_bytes_per_token(28, 4, 128, size, bits, group) == cache.bytes_per_token \
+            == spec.bytes_per_token(dtype, bits, group)
+        cache.storage.grow(0, 64)  # the buffers themselves: packed values, scales and biases of 64 slots
+        assert cache.nbytes == 64 * cache.bytes_per_token
     assert kv_bytes_per_token(28, 4, 128, 2) == spec.bytes_per_token()
+    cache = OmniCache.for_spec(spec, dtype=mx.float16)
+    cache.storage.grow(0, 64)
+    assert cache.nbytes == 64 * spec.bytes_per_token(mx.float16)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.profiles import PROFILES
+from ..models.family import profiles
 from . import HELP as _LISTING
 
 HELP = _LISTING["attention"]
@@ -37,7 +37,7 @@ example:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="qwen2.5-omni-7b", choices=sorted(PROFILES),
+    p.add_argument("--shape", default="qwen2.5-omni-7b", choices=sorted(profiles()),
                    help="model profile: attention shape, unit size, token rates (default qwen2.5-omni-7b)")
     from ..commands.options import add_media_arguments
 

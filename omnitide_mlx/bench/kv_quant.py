@@ -12,13 +12,10 @@ from __future__ import annotations
 GIB = 1 << 30
 
 
-def kv_bytes_per_token(profile, bits: int | None, group_size: int = 64, scale_bytes: int = 2) -> int:
-    """K and V of every layer for one token: float (``profile.kv_dtype_bytes``) or packed values plus a scale and a
-    bias per group (``scale_bytes`` each, the cache dtype's)."""
-    if bits is None:
-        return profile.kv_bytes_per_token
-    row = profile.head_dim * bits // 8 + 2 * (profile.head_dim // group_size) * scale_bytes
-    return 2 * profile.layers * profile.kv_heads * row
+def kv_bytes_per_token(profile, bits: int | None, group_size: int = 64) -> int:
+    """K and V of every layer for one token of ``profile``'s model in its KV dtype (``profile.kv_dtype_bytes``):
+    float, or packed values plus a scale and a bias per group in that dtype (``core.shapes.kv_bytes_per_token``)."""
+    return profile.shape.kv_bytes_per_token(profile.kv_dtype_bytes, bits, group_size)
 
 
 def kv_held(profile, tokens: int, precisions, *, policy: str = "omnitide", seed: int = 0, **policy_kw) -> dict:

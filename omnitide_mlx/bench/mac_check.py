@@ -186,7 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-doctor", action="store_true")
     a = p.parse_args(argv)
     from ..core.layout_checkpoints import parse_histories
-    from ..core.profiles import PROFILES
+    from ..models.family import profiles
+
+    PROFILES = profiles()
 
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in PROFILES]

@@ -22,11 +22,13 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from ..core.profiles import PROFILES, ModelProfile
+from ..core.profiles import ModelProfile
 from ..core.shapes import ModelShape
 from ..core.stream_units import MediaSetting, StreamUnits
 from ..core.units import SpanKind, UnitKind
 from ..models.base import KVSpec, PreparedUnit, StreamAdapter, spans_from_runs, text_positions
+from ..models.family import get_family, profiles
+from ..models.minicpmo.family import FRAMING as MINICPMO_FRAMING
 from ..models.stream_units import resolve_profile
 from ..rope import RopeSpec
 
@@ -37,7 +39,8 @@ from ..rope import RopeSpec
 TINY_SHAPE = ModelShape("tiny", "minicpmo", layers=2, hidden=64, intermediate=128, q_heads=4, kv_heads=2, head_dim=32,
                         vocab=256, rope_theta=1e4, source="made up for the CI smoke test")
 TINY_PROFILE = ModelProfile(
-    name="tiny", display="tiny (CI)", rope_axes=1, shape=TINY_SHAPE, system_tokens=8, high=200, low=140,
+    name="tiny", display="tiny (CI)", rope_axes=1, shape=TINY_SHAPE, framing=MINICPMO_FRAMING, system_tokens=8,
+    high=200, low=140,
     pick={"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2, "text_budget": 32},
     units=StreamUnits.sequential("minicpmo", MediaSetting(name="tiny"), [
         (SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SOURCE, 32), (SpanKind.BOUNDARY, 2), (SpanKind.IMAGE_SLICE, 16),
@@ -45,8 +48,8 @@ TINY_PROFILE = ModelProfile(
         (SpanKind.BOUNDARY, 2)]),
     notes="benchmark smoke tests only")
 
-# the real shapes (core/shapes.py, one per profile) and the CI one
-SHAPES: dict[str, ModelShape] = {**{n: p.shape for n, p in PROFILES.items()}, "tiny": TINY_SHAPE}
+# the real shapes (the family records', one per profile) and the CI one
+SHAPES: dict[str, ModelShape] = {**{n: p.shape for n, p in profiles().items()}, "tiny": TINY_SHAPE}
 
 
 def profile_for(shape: str, setting: MediaSetting | str | None = None) -> ModelProfile:
@@ -61,23 +64,6 @@ def update_flops(shape: ModelShape, layers: int, vocab: int, chunk: int, keys_vi
     linear = 2.0 * shape.linear_macs_per_token() * chunk
     attention = 4.0 * shape.q_heads * shape.head_dim * keys_visited
     return layers * (linear + attention) + 2.0 * shape.hidden * vocab
-
-
-def question_runs(family: str, n: int) -> list[tuple[SpanKind, int]]:
-    """A question of ``n`` text tokens with the tokens that open the reply (core/profiles.py's chat framing)."""
-    if family == "qwen2_5_omni":  # text <|im_end|>\n<|im_start|>assistant\n
-        return [(SpanKind.TEXT, n), (SpanKind.BOUNDARY, 5)]
-    # <unit> text </unit>, then the reply's opening <unit><|speak|> (the engine's reply unit has no prefix)
-    return [(SpanKind.BOUNDARY, 1), (SpanKind.TEXT, n), (SpanKind.BOUNDARY, 3)]
-
-
-def question_tokens(family: str, n: int) -> int:
-    return sum(k for _, k in question_runs(family, n))
-
-
-def reply_closing_tokens(family: str) -> int:
-    """Boundary tokens after a reply: <|im_end|>\n<|im_start|>user\n (Qwen) or </unit> (MiniCPM-o)."""
-    return 5 if family == "qwen2_5_omni" else 2
 
 
 class ShapeTrueModel:
@@ -95,24 +81,7 @@ class ShapeTrueModel:
         self.dtype = dtype
         mx.random.seed(seed)
         s = self.shape
-        if s.family == "qwen2_5_omni":
-            from ..models.qwen2_5_omni.config import TextConfig
-            from ..models.qwen2_5_omni.language import LanguageModel
-
-            cfg = TextConfig(vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                             num_hidden_layers=layers, num_attention_heads=s.q_heads, num_key_value_heads=s.kv_heads,
-                             head_dim=s.head_dim, rope_theta=s.rope_theta)
-            self.language_model = LanguageModel(cfg, tie_word_embeddings=False)
-            self.position_axes = 3
-        else:
-            from ..models.minicpmo.config import TextConfig
-            from ..models.minicpmo.language import LanguageModel
-
-            cfg = TextConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=layers,
-                             num_attention_heads=s.q_heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
-                             vocab_size=vocab, rope_theta=s.rope_theta)
-            self.language_model = LanguageModel(cfg)
-            self.position_axes = 1
+        self.language_model, self.position_axes = get_family(s.family).language_model(s, layers, vocab)
         self.language_model.set_dtype(dtype)
         mx.eval(self.language_model.parameters())
         from mlx.utils import tree_flatten
@@ -164,7 +133,7 @@ class RandomUnitAdapter(StreamAdapter):
         return self._prepared(UnitKind.MEDIA, u.spans, u.positions, t=t, label="av")
 
     def user_unit(self, text: str, start: int) -> PreparedUnit:
-        runs = question_runs(self.profile.family, len(text.split()))
+        runs = self.profile.framing.question_runs(len(text.split()))
         n = sum(k for _, k in runs)
         positions = text_positions(start, n, self.kv_spec.position_axes)
         return self._prepared(UnitKind.USER, spans_from_runs(runs), positions, label=text[:40])
@@ -178,7 +147,7 @@ class RandomUnitAdapter(StreamAdapter):
         return self.model.language_model.embed_tokens(mx.array(np.asarray(ids, dtype=np.int32)))
 
     def finish_reply(self, generated: list[int], stopped: bool) -> list[int]:
-        return [0] * reply_closing_tokens(self.profile.family)
+        return [0] * len(self.profile.framing.reply_close)
 
     def decode(self, ids) -> str:
         return " ".join(f"t{int(i)}" for i in ids)

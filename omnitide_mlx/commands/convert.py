@@ -76,12 +76,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         with announce(f"loading {src}"):
             model, _ = load(src)
-        speech = None
-        if config.get("model_type") == "qwen2_5_omni":  # the talker, token2wav and voices go to dst/speech/
-            from ..models.qwen2_5_omni.speech import has_speech, load_speech
+        from ..models.family import family_for_model_type
 
-            if has_speech(src, config):
-                speech = load_speech(src, config)
+        family = family_for_model_type(config.get("model_type"))  # its extra parts (Qwen: talker, token2wav, voices)
+        extra = family.convert_extra(src, config) if family and family.convert_extra else None
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -91,11 +89,8 @@ def run(args: argparse.Namespace) -> int:
         written = save_converted(model, config, src, dst, bits=args.q_bits if args.quantize else None,
                                  group_size=args.q_group_size, dtype=dtype,
                                  quant_predicate=getattr(model, "quant_predicate", None))
-    if speech is not None:
-        from ..models.qwen2_5_omni.speech import save_speech
-
-        save_speech(speech, dst)  # float, MLX layout; spk_dict.pt becomes speech/speakers.safetensors
-        print(f"wrote the talker, token2wav and {len(speech.speakers)} voices to {dst / 'speech'}")
+    if extra is not None:
+        print(extra(dst))
     what = (f"{written['quantization']['bits']}-bit (group {written['quantization']['group_size']})"
             if args.quantize else (args.dtype or "unquantised"))
     print(f"wrote {what} MLX model to {dst}")

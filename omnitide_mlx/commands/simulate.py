@@ -27,9 +27,9 @@ from .options import (POLICIES, UsageError, add_progress_argument, check_output_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from omnitide_mlx.core.profiles import PROFILES  # light: pure Python + numpy
+    from omnitide_mlx.models.family import profiles  # light: the family records, pure Python + numpy
 
-    p.add_argument("--profile", default="qwen2.5-omni-7b", choices=sorted(PROFILES),
+    p.add_argument("--profile", default="qwen2.5-omni-7b", choices=sorted(profiles()),
                    help="model profile: token rates, unit layout, KV shape (default qwen2.5-omni-7b)")
     p.add_argument("--seconds", type=positive_int, default=240, help="stream length in seconds (default 240)")
     p.add_argument("--policy", choices=POLICIES, default="omnitide", help="retention policy (default omnitide)")

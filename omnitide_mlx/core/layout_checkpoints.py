@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .layout import LAYOUT_NAMES
 from .page import MigrationPlan, MigrationPlanner, PageTable
 from .pick import make_policy
-from .profiles import ModelProfile, StreamSpec, get_profile
+from .profiles import ModelProfile, StreamSpec, require_profile
 from .sim import Simulator
 
 @dataclass
@@ -48,7 +48,7 @@ def checkpoint_simulator(profile: ModelProfile | str, histories: list[int], *, p
                          migration: str = "class_aware", **policy_kw) -> Simulator:
     """A simulator whose stream is long enough to reach the largest checkpoint. ``profile`` must carry its unit
     layout (``models.stream_units.resolve_profile``)."""
-    prof = get_profile(profile) if isinstance(profile, str) else profile
+    prof = require_profile(profile)
     pol = make_policy(policy, profile=prof, **policy_kw)
     stream = StreamSpec(max(histories) // prof.media_unit_tokens + 4, question_every=question_every, seed=seed)
     return Simulator(prof, pol, stream, layouts, migration=migration)

@@ -27,16 +27,20 @@ from .retention_plan import (
 )
 from .units import History, SpanKind, Unit, UnitKind
 
-__all__ = ["H2O", "POLICIES", "POSITION_MODES", "FullContext", "OmniPick", "OmniTide", "RetentionError",
+__all__ = ["DEFAULT_HIGH", "DEFAULT_LOW", "H2O", "POLICIES", "POLICY_NAMES", "POSITION_MODES", "FullContext", "OmniPick", "OmniTide", "RetentionError",
            "RetentionPlan", "RetentionPolicy", "StreamingLLM", "TokenSliding", "UnitFIFO", "UnitPlan", "apply_plan",
-           "make_policy", "parse_leftover", "plan_from_mask", "range_shifts", "watermarks", "DEFAULT_HIGH",
-           "DEFAULT_LOW", "LOW_RATIO", "WatermarkError"]
+           "make_policy", "parse_leftover", "plan_from_mask", "range_shifts", "watermarks", "LOW_RATIO",
+           "WatermarkError"]
 
 
 from .watermarks import DEFAULT_HIGH, DEFAULT_LOW, LOW_RATIO, WatermarkError, watermarks  # noqa: E402
 
 
 # --- policies ---------------------------------------------------------------------------------------------
+
+# DEFAULT_HIGH / DEFAULT_LOW (core/watermarks.py): the watermarks of a model with no family defaults (tiny test
+# models, a text model): the paper's default setting (figure 14 reports 2500/1800 as the default; each model
+# family's record carries its own best setting).
 
 class RetentionPolicy:
     """Interface: ``plan(history, scores=None) -> RetentionPlan | None`` (None: under the high watermark or
@@ -46,7 +50,7 @@ class RetentionPolicy:
     needs_scores = False
     positions = "shift"  # POSITION_MODES; make_policy(..., positions="keep") sets it on the instance
 
-    def __init__(self, high: int = 2500, low: int = 1800, layout: str = "native"):
+    def __init__(self, high: int = DEFAULT_HIGH, low: int = DEFAULT_LOW, layout: str = "native"):
         if not (isinstance(high, (int, np.integer)) and isinstance(low, (int, np.integer))):
             raise RetentionError(f"watermarks must be ints, got high={high!r}, low={low!r}")
         if not 0 < low <= high:
@@ -87,7 +91,7 @@ class FullContext(RetentionPolicy):
 
     name = "full"
 
-    def __init__(self, high: int = 2500, low: int = 1800, layout: str = "native"):
+    def __init__(self, high: int = DEFAULT_HIGH, low: int = DEFAULT_LOW, layout: str = "native"):
         super().__init__(high, low, layout)
 
     def plan(self, history: History, scores: np.ndarray | None = None) -> RetentionPlan | None:
@@ -138,7 +142,7 @@ class StreamingLLM(RetentionPolicy):
 
     name = "streamingllm"
 
-    def __init__(self, high: int = 2500, low: int = 1800, sink: int = 2, layout: str = "native"):
+    def __init__(self, high: int = DEFAULT_HIGH, low: int = DEFAULT_LOW, sink: int = 2, layout: str = "native"):
         super().__init__(high, low, layout)
         if sink < 0:
             raise RetentionError(f"sink must be >= 0, got {sink}")
@@ -164,7 +168,8 @@ class H2O(RetentionPolicy):
     name = "h2o"
     needs_scores = True
 
-    def __init__(self, high: int = 2500, low: int = 1800, recent: int | None = None, layout: str = "native"):
+    def __init__(self, high: int = DEFAULT_HIGH, low: int = DEFAULT_LOW, recent: int | None = None,
+                 layout: str = "native"):
         super().__init__(high, low, layout)
         if recent is not None and recent < 0:
             raise RetentionError(f"recent must be >= 0, got {recent}")
@@ -243,7 +248,7 @@ class OmniPick(RetentionPolicy):
 
     name = "omnipick"
 
-    def __init__(self, high: int = 2500, low: int = 1800, recent_units: int = 2, image_sink: int = 4,
+    def __init__(self, high: int = DEFAULT_HIGH, low: int = DEFAULT_LOW, recent_units: int = 2, image_sink: int = 4,
                  audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "native",
                  recent_count: str = "media", leftover: str | Sequence[str] | None = None):
         super().__init__(high, low, layout)
@@ -350,7 +355,7 @@ class OmniTide(OmniPick):
 
     name = "omnitide"
 
-    def __init__(self, high: int = 2500, low: int = 1800, recent_units: int = 2, image_sink: int = 4,
+    def __init__(self, high: int = DEFAULT_HIGH, low: int = DEFAULT_LOW, recent_units: int = 2, image_sink: int = 4,
                  audio_sink: int = 2, slice_sink: int = 2, text_budget: int = 256, layout: str = "omnipage",
                  recent_count: str = "media", leftover: str | Sequence[str] | None = None):
         super().__init__(high, low, recent_units, image_sink, audio_sink, slice_sink, text_budget, layout,
@@ -367,11 +372,12 @@ POLICIES: dict[str, tuple[type[RetentionPolicy], dict[str, Any]]] = {
     "omnitide": (OmniTide, {"layout": "omnipage"}),
     "eager": (OmniPick, {"layout": "eager"}),
 }
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)  # the CLI's --policy choices and the stream benchmark's engine rows
 
 
 def make_policy(name: str, profile: Any = None, **kw: Any) -> RetentionPolicy:
     """Build a policy by its CLI name (``full``, ``fifo``, ``token``, ``streamingllm``, ``h2o``, ``omnipick``,
-    ``omnitide``, ``eager``). ``profile`` (a :class:`~omnitide_mlx.core.profiles.ModelProfile` or its name)
+    ``omnitide``, ``eager``). ``profile`` (a :class:`~omnitide_mlx.core.profiles.ModelProfile`)
     supplies per-model defaults (watermarks, sink lengths, text budget); explicit keywords win.
     ``positions="keep"`` makes the policy keep old positions (gaps) instead of shifting (``POSITION_MODES``)."""
     positions = kw.pop("positions", "shift")
@@ -383,10 +389,10 @@ def make_policy(name: str, profile: Any = None, **kw: Any) -> RetentionPolicy:
     cls, fixed = POLICIES[key]
     args: dict[str, Any] = {}
     if profile is not None:
-        from .profiles import get_profile
-
-        prof = get_profile(profile) if isinstance(profile, str) else profile
-        args.update(prof.policy_kwargs(cls))
+        if not hasattr(profile, "policy_kwargs"):
+            raise RetentionError(f"profile must be a ModelProfile (omnitide_mlx.models.family.get_profile(name)), "
+                                 f"got {profile!r}")
+        args.update(profile.policy_kwargs(cls))
     args.update(fixed)
     args.update(kw)
     try:

@@ -1,9 +1,11 @@
 """Model profiles: real shapes, retention defaults, the unit layout they stream, and a deterministic stream generator.
 
 A profile is what the simulator and the benchmarks need to know about a model without loading it: its language
-model's shape (``core/shapes.py``, declared there once: layers, query / KV heads, head dim, hidden and MLP sizes,
-vocabulary, from the released configs in ``shared/reference/``; the profile reads them through), the RoPE layout (1 axis or Qwen's 3-axis TMRoPE), the protected
-system prefix, the per-model retention defaults, and the media unit it streams.
+model's shape (``core/shapes.py``'s :class:`~.shapes.ModelShape`), the RoPE layout (1 axis or Qwen's 3-axis
+TMRoPE), the protected system prefix, the chat framing around a question and a reply (:class:`ChatFraming`), the
+per-model retention defaults, and the media unit it streams. Core holds no model's figures: each model folder's
+record (``models/<family>/family.py``, gathered by ``models/family.py``) builds its profiles from this plain data,
+and ``omnitide_mlx.models.family.get_profile(name)`` looks one up.
 
 The media unit is not written here: the model's own layout code computes it for a media setting (frame size,
 ``max_pixels`` / ``max_slice_nums``, audio per unit) and hands it over as a plain
@@ -24,13 +26,57 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import OmniTideError
-from .shapes import SHAPES, ModelShape
+from .pick import DEFAULT_HIGH, DEFAULT_LOW
+from .shapes import ModelShape
 from .stream_units import StreamUnits
 from .units import SpanKind, Unit, UnitKind
 
 
 class ProfileError(OmniTideError, ValueError):
     """An unknown profile name or a bad stream specification."""
+
+
+@dataclass(frozen=True)
+class ChatFraming:
+    """The boundary tokens around a question and a reply, as token strings (each one token of the model's
+    tokenizer; tests/models/test_family.py checks them against the real processors' ids).
+
+    One split for the simulator, the benchmarks and the engine: the tokens that open the reply are fed with the
+    question (the engine prefills them before it generates, so its reply unit is the generated tokens only), and
+    the tokens that close the reply, up to and including the ones that reopen the user turn, belong to the reply.
+    ``turn_open``: the tokens in front of the first media unit of a user turn (after the system prompt or a reply),
+    as the engine's adapter feeds them (the KV budget check counts them)."""
+
+    question_open: tuple[str, ...]
+    question_close: tuple[str, ...]
+    reply_close: tuple[str, ...]
+    turn_open: tuple[str, ...] = ()
+
+    def question_runs(self, n: int) -> list[tuple[SpanKind, int]]:
+        """A question of ``n`` text tokens with its framing, as ``(kind, length)`` runs."""
+        runs = [(SpanKind.BOUNDARY, len(self.question_open)), (SpanKind.TEXT, n),
+                (SpanKind.BOUNDARY, len(self.question_close))]
+        return [(k, m) for k, m in runs if m]
+
+    def reply_runs(self, n: int) -> list[tuple[SpanKind, int]]:
+        """A reply of ``n`` generated tokens with the tokens that close it."""
+        return [(k, m) for k, m in ((SpanKind.RESPONSE, n), (SpanKind.BOUNDARY, len(self.reply_close))) if m]
+
+    def question_tokens(self, n: int) -> int:
+        return n + len(self.question_open) + len(self.question_close)
+
+    def to_json(self) -> dict:
+        return {"question_open": list(self.question_open), "question_close": list(self.question_close),
+                "reply_close": list(self.reply_close), "turn_open": list(self.turn_open)}
+
+
+# OmniPick knobs the paper leaves open (docs/simulator.md says why); a family's profiles start from these:
+#   recent_units 2   -- figure 6 keeps the two newest units (u_n, u_{n+1}) whole
+#   image_sink 4     -- a short prefix of an unsliced frame (StreamingLLM's 4 initial tokens, per image)
+#   audio_sink 2     -- audio spans are short (10-25 tokens a second); 2 matches the paper's positional sink
+#   slice_sink 2     -- 9 slices x 2 keeps the sliced image's per-slice sinks at 18 tokens, next to a 64-token source
+#   text_budget 256  -- a few questions and short replies; text is cheap next to 700-2300 media tokens a second
+PICK_DEFAULTS = {"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2, "text_budget": 256}
 
 
 @dataclass(frozen=True)
@@ -41,17 +87,19 @@ class ModelProfile:
     display: str
     rope_axes: int  # 1: plain RoPE; 3: M-RoPE / TMRoPE (t, h, w)
     shape: ModelShape  # the language model's shape (core/shapes.py)
+    framing: ChatFraming  # the tokens around a question and a reply (the family record's)
     system_tokens: int = 40  # the protected prefix (system prompt + the opening of the user turn)
     kv_dtype_bytes: int = 2  # fp16 KV, as in the paper's runs
-    high: int = 2500
-    low: int = 1800
+    high: int = DEFAULT_HIGH  # the watermarks (the family record's; core.pick's default when it gives none)
+    low: int = DEFAULT_LOW
     pick: dict = field(default_factory=dict)  # OmniPick knobs for this model
     layout_kw: dict = field(default_factory=dict)  # model-side settings the unit layout needs (audio pooling, ...)
     units: StreamUnits | None = None  # the media unit at a setting (models/stream_units.py fills it in)
+    aliases: tuple[str, ...] = ()  # other names ``get_profile`` accepts
     notes: str = ""
 
-    # the shape's figures, read through (declared once, in core/shapes.py)
-    family = property(lambda self: self.shape.family)  # "qwen2_5_omni" or "minicpmo": the unit layout's owner
+    # the shape's figures, read through (declared once, in the shape)
+    family = property(lambda self: self.shape.family)  # the model family record's name: the unit layout's owner
     layers = property(lambda self: self.shape.layers)
     kv_heads = property(lambda self: self.shape.kv_heads)
     head_dim = property(lambda self: self.shape.head_dim)
@@ -63,7 +111,7 @@ class ModelProfile:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer: 2 x layers x kv_heads x head_dim x bytes."""
+        """K and V of every layer in the profile's KV dtype (``core.shapes.kv_bytes_per_token``)."""
         return self.shape.kv_bytes_per_token(self.kv_dtype_bytes)
 
     def with_shape(self, **changes) -> "ModelProfile":
@@ -98,16 +146,6 @@ class ModelProfile:
         return {k: v for k, v in wanted.items() if k in params}
 
     # --- unit layouts -------------------------------------------------------------------------------------
-    def _question_pieces(self, n: int) -> list[tuple[SpanKind, int]]:
-        if self.family == "qwen2_5_omni":  # text, then <|im_end|> \n <|im_start|> assistant \n
-            return [(SpanKind.TEXT, n), (SpanKind.BOUNDARY, 5)]
-        return [(SpanKind.BOUNDARY, 1), (SpanKind.TEXT, n), (SpanKind.BOUNDARY, 1)]  # <unit> text </unit>
-
-    def _reply_pieces(self, n: int) -> list[tuple[SpanKind, int]]:
-        if self.family == "qwen2_5_omni":  # reply, then <|im_end|> \n <|im_start|> user \n
-            return [(SpanKind.RESPONSE, n), (SpanKind.BOUNDARY, 5)]
-        return [(SpanKind.BOUNDARY, 2), (SpanKind.RESPONSE, n), (SpanKind.BOUNDARY, 2)]  # <unit><|speak|> .. </unit>
-
     def system_unit(self, uid: int = 0) -> Unit:
         return Unit.build(uid, UnitKind.SYSTEM, [(SpanKind.SYSTEM, self.system_tokens)], axes=self.rope_axes,
                           label="system")
@@ -117,11 +155,11 @@ class ModelProfile:
         return self.stream_units.unit(uid, start, t)
 
     def question_unit(self, uid: int, start: int, n_text: int, t: float | None = None) -> Unit:
-        return Unit.build(uid, UnitKind.USER, self._question_pieces(n_text), start_position=start,
+        return Unit.build(uid, UnitKind.USER, self.framing.question_runs(n_text), start_position=start,
                           axes=self.rope_axes, t=t, label="question")
 
     def reply_unit(self, uid: int, start: int, n_text: int, t: float | None = None) -> Unit:
-        return Unit.build(uid, UnitKind.REPLY, self._reply_pieces(n_text), start_position=start,
+        return Unit.build(uid, UnitKind.REPLY, self.framing.reply_runs(n_text), start_position=start,
                           axes=self.rope_axes, t=t, label="reply")
 
     def to_json(self) -> dict:
@@ -133,49 +171,13 @@ class ModelProfile:
                 "high": self.high, "low": self.low, "pick": dict(self.pick)}
 
 
-# OmniPick knobs the paper leaves open (docs/simulator.md says why):
-#   recent_units 2   -- figure 6 keeps the two newest units (u_n, u_{n+1}) whole
-#   image_sink 4     -- a short prefix of an unsliced frame (StreamingLLM's 4 initial tokens, per image)
-#   audio_sink 2     -- audio spans are short (10-25 tokens a second); 2 matches the paper's positional sink
-#   slice_sink 2     -- 9 slices x 2 keeps the sliced image's per-slice sinks at 18 tokens, next to a 64-token source
-#   text_budget 256  -- a few questions and short replies; text is cheap next to 700-2300 media tokens a second
-_PICK_DEFAULTS = {"recent_units": 2, "image_sink": 4, "audio_sink": 2, "slice_sink": 2, "text_budget": 256}
-
-_QWEN_SYSTEM = 43  # <|im_start|>system\n + the default Qwen system prompt (37 BPE tokens) + <|im_end|>\n, then <|im_start|>user\n
-_MINICPM_SYSTEM = 15  # <|im_start|>system\nYou are a helpful assistant.\n<|im_end|>\n (12) + <|im_start|>user\n (3)
-
-# Shapes: core/shapes.py (the released configs, with their sources): Qwen2.5-Omni-7B / 3B thinkers (Qwen2.5-7B / 3B
-# LLMs), MiniCPM-o 4.5 (Qwen3-8B LLM), MiniCPM-o 2.6 (Qwen2.5-7B LLM).
-# Watermarks: the best setting of the paper's figure 14 (7.4.1, StreamingBench accuracy): Qwen2.5-Omni-3B 68.1 % at
-# 5000/3500 (62.8 % at the 2500/1800 default), Qwen2.5-Omni-7B 61.0 % at 8000/6000 (52.4 %), MiniCPM-o 4.5 75.0 %
-# at 2500/1800 (2.6 was not measured: the paper's default).
-PROFILES: dict[str, ModelProfile] = {
-    "qwen2.5-omni-7b": ModelProfile(
-        name="qwen2.5-omni-7b", display="Qwen2.5-Omni-7B", rope_axes=3, shape=SHAPES["qwen2.5-omni-7b"],
-        system_tokens=_QWEN_SYSTEM, high=8000, low=6000, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-7B LLM"),
-    "qwen2.5-omni-3b": ModelProfile(
-        name="qwen2.5-omni-3b", display="Qwen2.5-Omni-3B", rope_axes=3, shape=SHAPES["qwen2.5-omni-3b"],
-        system_tokens=_QWEN_SYSTEM, high=5000, low=3500, pick=dict(_PICK_DEFAULTS), notes="Qwen2.5-3B LLM"),
-    "minicpm-o-4.5": ModelProfile(
-        name="minicpm-o-4.5", display="MiniCPM-o 4.5", rope_axes=1, shape=SHAPES["minicpm-o-4.5"],
-        system_tokens=_MINICPM_SYSTEM, pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 5},
-        notes="Qwen3-8B LLM; SigLIP + resampler (64 tokens per image or slice); Whisper + 5-frame pooling"),
-    "minicpm-o-2.6": ModelProfile(
-        name="minicpm-o-2.6", display="MiniCPM-o 2.6", rope_axes=1, shape=SHAPES["minicpm-o-2.6"],
-        system_tokens=_MINICPM_SYSTEM, pick=dict(_PICK_DEFAULTS), layout_kw={"audio_pool_step": 2},
-        notes="Qwen2.5-7B LLM; 2-frame audio pooling (25 tokens a second); units as 4.5's (no 2.6 port)"),
-}
-
-_ALIASES = {"qwen7b": "qwen2.5-omni-7b", "qwen3b": "qwen2.5-omni-3b", "minicpm-o-4_5": "minicpm-o-4.5",
-            "minicpmo45": "minicpm-o-4.5", "minicpm-o-2_6": "minicpm-o-2.6", "minicpmo26": "minicpm-o-2.6"}
-
-
-def get_profile(name: str) -> ModelProfile:
-    key = name.lower()
-    key = _ALIASES.get(key, key)
-    if key not in PROFILES:
-        raise ProfileError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
-    return PROFILES[key]
+def require_profile(profile) -> ModelProfile:
+    """``profile`` if it is a :class:`ModelProfile`; a name is looked up in the models' records, which core does
+    not import: the caller resolves it (``omnitide_mlx.models.stream_units.resolve_profile(name, setting)``)."""
+    if not isinstance(profile, ModelProfile):
+        raise ProfileError(f"want a ModelProfile, got {profile!r}: resolve a profile name with "
+                           "omnitide_mlx.models.stream_units.resolve_profile(name, setting)")
+    return profile
 
 
 # --- the stream -------------------------------------------------------------------------------------------

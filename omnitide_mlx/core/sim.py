@@ -25,7 +25,7 @@ from .layout import LAYOUT_NAMES, layout_spec
 from .page import AllocClass, LayoutError, LayoutStats, MigrationPlanner, PageTable
 from .pick import RetentionPolicy, make_policy
 from .retention_plan import apply_plan
-from .profiles import ModelProfile, StreamSpec, build_unit, get_profile
+from .profiles import ModelProfile, StreamSpec, build_unit, require_profile
 from .units import History
 
 
@@ -120,7 +120,7 @@ class Simulator:
                  layouts: Sequence[str] = LAYOUT_NAMES, migration: str = "class_aware",
                  page_size: int = 64, subblock_size: int = 32, min_gain_pages: int = 1, check: bool = False,
                  tail_fill: bool | None = None):
-        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        self.profile = require_profile(profile)
         self.profile.stream_units  # noqa: B018  (a profile without its unit layout fails here, with the fix)
         self.policy = make_policy(policy, profile=self.profile) if isinstance(policy, str) else policy
         self.stream = stream
@@ -250,7 +250,7 @@ def simulate(profile: ModelProfile | str, policy: RetentionPolicy | str = "omnit
              min_gain_pages: int = 1, progress: bool = False, series_every: int = 1,
              check: bool = False, tail_fill: bool | None = None, **policy_kw: Any) -> dict:
     """Run a stream and return the JSON-able result (see ``omnitide simulate``)."""
-    prof = get_profile(profile) if isinstance(profile, str) else profile
+    prof = require_profile(profile)
     pol = make_policy(policy, profile=prof, **policy_kw) if isinstance(policy, str) else policy
     sim = Simulator(prof, pol, StreamSpec(seconds, question_every=question_every, seed=seed), layouts,
                     migration, page_size, subblock_size, min_gain_pages, check, tail_fill)
@@ -274,7 +274,7 @@ def snapshot_at(profile: ModelProfile | str, policy: RetentionPolicy | str, layo
                 **policy_kw: Any) -> LayoutSnapshot:
     """Stream until the no-slide history would hold ``tokens`` tokens (paper 7.1's no-slide checkpoints),
     finishing that update (prefill, trim, migration), and return the layout then."""
-    prof = get_profile(profile) if isinstance(profile, str) else profile
+    prof = require_profile(profile)
     pol = make_policy(policy, profile=prof, **policy_kw) if isinstance(policy, str) else policy
     if tokens <= prof.system_tokens:
         raise SimError(f"checkpoint {tokens} is not past the {prof.system_tokens}-token system prompt")

@@ -1,19 +1,12 @@
-"""Model ports. ``load(path_or_id)`` reads config.json and hands the folder to the port for its ``model_type``."""
+"""Model ports, one folder and one family record each (models/family.py). ``load(path_or_id)`` reads config.json
+and hands the folder to the family whose record accepts its ``model_type``."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
 from .loading import CheckpointError, load_config, resolve_model_path  # no MLX import at module level
-
-# config.json "model_type" -> module with ``load_model(path, config, **kw) -> (model, processor)``
-MODEL_TYPES: dict[str, str] = {
-    "qwen2_5_omni": "omnitide_mlx.models.qwen2_5_omni",
-    "qwen2_5_omni_thinker": "omnitide_mlx.models.qwen2_5_omni",
-    "minicpmo": "omnitide_mlx.models.minicpmo",
-}
 
 
 def load(path_or_id: str | os.PathLike, **kwargs):
@@ -24,9 +17,11 @@ def load(path_or_id: str | os.PathLike, **kwargs):
     """
     path = resolve_model_path(path_or_id, revision=kwargs.pop("revision", None))
     config = load_config(path)
+    from .family import family_for_model_type, model_types
+
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
-        supported = ", ".join(sorted(MODEL_TYPES))
+    family = family_for_model_type(model_type)
+    if family is None:
+        supported = ", ".join(sorted(model_types()))
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported (supported: {supported})")
-    module = importlib.import_module(MODEL_TYPES[model_type])
-    return module.load_model(Path(path), config, **kwargs)
+    return family.load(Path(path), config, **kwargs)

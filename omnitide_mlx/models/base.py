@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..core.shapes import kv_bytes_per_token
 from ..core.units import Span, SpanKind, Unit, UnitKind
 from ..errors import MediaError  # noqa: F401  (re-exported: adapters raise it)
 from ..rope import RopeSpec
@@ -31,10 +32,11 @@ class KVSpec:
     rope: RopeSpec
     position_axes: int = 1  # 1 for plain RoPE, 3 for M-RoPE (t, h, w)
 
-    def bytes_per_token(self, dtype=None) -> int:
-        """K and V bytes of one token over all layers; ``dtype`` an MLX or torch dtype (default: 2 bytes)."""
+    def bytes_per_token(self, dtype=None, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+        """K and V bytes of one token over all layers (``core.shapes.kv_bytes_per_token``); ``dtype`` an MLX or
+        torch dtype (default: 2 bytes); ``kv_bits``: quantised, with scales and biases in ``dtype``."""
         size = 2 if dtype is None else getattr(dtype, "itemsize", None) or dtype.size
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * int(size)
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, int(size), kv_bits, kv_group_size)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What a KV budget has to hold, read from a checkpoint's files without loading it: the KV bytes per token from
 config.json (layers, KV heads, head dim), the safetensors headers (the dtype the weights, and so the K/V, are held
 in) and ``--kv-bits``; the media unit from the model's own unit layout (``models/<family>/layout.py``, the code the
-adapters build units with) at the stream's frame size. No MLX, no weights: the CLI checks ``--kv-budget`` with it
+adapters build units with) at the stream's frame size, both through the family record's ``checkpoint_units``. No MLX, no weights: the CLI checks ``--kv-budget`` with it
 before the "loading" line.
 """
 
@@ -13,15 +13,14 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..core.shapes import kv_bytes_per_token  # noqa: F401  (the one definition, re-exported for callers of the budget)
 from ..core.stream_units import MediaSetting
+from .family import family_for_model_type
 from .loading import CheckpointError, load_config
 
 PAGE = 64  # the session's default page size (slots)
 SAFETENSORS_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 CONFIG_FLOAT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-# the tokens that open the user turn in front of the first media unit after the system prompt or a reply
-# ("<|im_start|>user\n" in both families' templates: <|im_start|>, "user", "\n")
-TURN_OPEN_TOKENS = {"qwen2_5_omni": 3, "minicpmo": 3}
 
 
 @dataclass(frozen=True)
@@ -31,11 +30,12 @@ class KVNeed:
     unit_tokens: int  # one media unit at the stream's frame size and tracks, inside an open user turn
     dtype_bytes: int
     head_dim: int = 0  # the K/V head size (quantised KV groups must divide it)
+    turn_open_tokens: int = 0  # the tokens that open a user turn (the family's ChatFraming.turn_open)
 
     @property
     def first_unit_tokens(self) -> int:
         """The unit that opens a user turn (the first one, and the first after each reply): the largest."""
-        return self.unit_tokens + TURN_OPEN_TOKENS[self.family]
+        return self.unit_tokens + self.turn_open_tokens
 
 
 def weight_float_bytes(path: Path, config: dict) -> int:
@@ -61,17 +61,6 @@ def weight_float_bytes(path: Path, config: dict) -> int:
     return CONFIG_FLOAT_BYTES.get(str(dtype), 2)
 
 
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, kv_bits: int | None = None,
-                       kv_group_size: int = 64) -> int:
-    """K and V bytes of one token over all layers (as OmniCache counts them; quantised: packed values plus a scale
-    and a bias per group)."""
-    if not kv_bits:
-        row = head_dim * dtype_bytes
-    else:
-        row = head_dim * kv_bits // 8 + 2 * (head_dim // kv_group_size) * dtype_bytes
-    return 2 * num_layers * kv_heads * row
-
-
 def kv_need(path: str | Path, *, media: MediaSetting | None = None, frame_size: tuple[int, int] | None = None,
             frame: bool = True, audio: bool = True, kv_bits: int | None = None,
             kv_group_size: int = 64) -> KVNeed | None:
@@ -83,44 +72,22 @@ def kv_need(path: str | Path, *, media: MediaSetting | None = None, frame_size: 
     media = media or MediaSetting()
     if frame and media.frame_size is None and frame_size is not None:
         media = replace(media, frame_size=tuple(frame_size))
+    family = family_for_model_type(model_type)
+    if family is None or family.checkpoint_units is None:
+        return None
     dtype_bytes = weight_float_bytes(path, config)
     try:
-        if model_type in ("qwen2_5_omni", "qwen2_5_omni_thinker"):
-            from .qwen2_5_omni.config import ModelConfig
-            from .qwen2_5_omni.layout import FRAME_MAX_PIXELS, stream_units
-            from .qwen2_5_omni.processor import read_preprocessor_config
-
-            cfg = ModelConfig.from_dict(config)
-            t = cfg.text_config
-            vision, _ = read_preprocessor_config(path)
-            units = stream_units(replace(media, max_pixels=media.max_pixels or FRAME_MAX_PIXELS), vision=vision,
-                                 position_id_per_seconds=cfg.position_id_per_seconds,
-                                 seconds_per_chunk=cfg.seconds_per_chunk, frame=frame, audio=audio)
-            family, shape = "qwen2_5_omni", (t.num_hidden_layers, t.num_key_value_heads, t.head_dim)
-        elif model_type == "minicpmo":
-            from .minicpmo.config import ModelConfig
-            from .minicpmo.layout import SCALE_RESOLUTION, STREAMING_MAX_SLICE_NUMS, stream_units
-
-            cfg = ModelConfig.from_dict(config)
-            t = cfg.text
-            pre = path / "preprocessor_config.json"
-            scale = json.loads(pre.read_text(encoding="utf-8")).get("scale_resolution", SCALE_RESOLUTION) \
-                if pre.is_file() else SCALE_RESOLUTION
-            units = stream_units(replace(media, max_slice_nums=media.max_slice_nums or STREAMING_MAX_SLICE_NUMS),
-                                 query_num=cfg.query_num, audio_pool_step=cfg.audio_pool_step,
-                                 scale_resolution=int(scale), frame=frame, audio=audio)
-            family, shape = "minicpmo", (t.num_hidden_layers, t.num_key_value_heads, t.head_dim)
-        else:
-            return None
+        shape, units = family.checkpoint_units(path, config, media, frame=frame, audio=audio)
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"{path / 'config.json'}: cannot read the model's shape: {type(e).__name__}: {e}") \
             from None
-    if kv_bits is not None and shape[2] % kv_group_size:  # the quantised row below would be wrong
+    if kv_bits is not None and shape.head_dim % kv_group_size:  # the quantised row below would be wrong
         kv_bits = None
-    return KVNeed(family=family, bytes_per_token=kv_bytes_per_token(*shape, dtype_bytes, kv_bits, kv_group_size),
-                  unit_tokens=units.tokens, dtype_bytes=dtype_bytes, head_dim=shape[2])
+    return KVNeed(family=family.name, bytes_per_token=shape.kv_bytes_per_token(dtype_bytes, kv_bits, kv_group_size),
+                  unit_tokens=units.tokens, dtype_bytes=dtype_bytes, head_dim=shape.head_dim,
+                  turn_open_tokens=len(family.framing.turn_open))
 
 
 def budget_problem(budget: int, need: KVNeed, *, reply_tokens: int = 0, reserve_pages: int = 2,

@@ -1,15 +1,19 @@
 """Profiles with their media unit, from the models' own layout code (numpy-only: no MLX, no weights).
 
 ``resolve_profile("qwen2.5-omni-7b", "paper")`` is the profile the simulator, both benchmarks and the eval harness
-stream: ``core/profiles.py``'s shape and retention defaults with the :class:`~..core.stream_units.StreamUnits` that
-``models/<family>/layout.py`` computes for the setting (the same functions the engine's adapters assemble units
-with; tests/models/test_stream_units.py checks the equality on real frames).
+stream: the family record's profile (``models/<family>/family.py``: shape, framing, retention defaults) with the
+:class:`~..core.stream_units.StreamUnits` its layout code (``models/<family>/layout.py``) computes for the setting
+(the same functions the engine's adapters assemble units with; tests/models/test_stream_units.py checks the
+equality on real frames).
 """
 
 from __future__ import annotations
 
-from ..core.profiles import PROFILES, ModelProfile, ProfileError, get_profile
+from ..core.profiles import ModelProfile, ProfileError
 from ..core.stream_units import MediaSetting, StreamUnits, get_preset
+from .family import get_family, get_profile, profiles
+
+__all__ = ["get_profile", "media_setting", "profile_for_spec", "resolve_profile", "stream_units"]
 
 
 def media_setting(setting: MediaSetting | str | None = None) -> MediaSetting:
@@ -23,16 +27,10 @@ def media_setting(setting: MediaSetting | str | None = None) -> MediaSetting:
 def stream_units(profile: ModelProfile | str, setting: MediaSetting | str | None = None) -> StreamUnits:
     """The media unit ``profile``'s model builds at ``setting`` (a MediaSetting or a preset name)."""
     prof = get_profile(profile) if isinstance(profile, str) else profile
-    setting = media_setting(setting)
-    if prof.family == "qwen2_5_omni":
-        from .qwen2_5_omni.layout import stream_units as qwen_units
-
-        return qwen_units(setting, **prof.layout_kw)
-    if prof.family == "minicpmo":
-        from .minicpmo.layout import stream_units as minicpmo_units
-
-        return minicpmo_units(setting, **prof.layout_kw)
-    raise ProfileError(f"{prof.name}: no unit layout for model family {prof.family!r}")
+    family = get_family(prof.family)
+    if family.stream_units is None:
+        raise ProfileError(f"{prof.name}: the {family.name} family streams no media unit")
+    return family.stream_units(media_setting(setting), **prof.layout_kw)
 
 
 def resolve_profile(profile: ModelProfile | str, setting: MediaSetting | str | None = None) -> ModelProfile:
@@ -48,7 +46,7 @@ def profile_for_spec(spec) -> ModelProfile | None:
     """The profile of a loaded model from its KV shape (a ``KVSpec``: position axes, layers, KV heads, head dim), or
     None (tiny test models, text-only models): how a session finds the model's default watermarks."""
     axes = getattr(spec, "position_axes", 1)
-    for p in PROFILES.values():
+    for p in profiles().values():
         if (p.rope_axes, p.layers, p.kv_heads, p.head_dim) == (axes, spec.num_layers, spec.kv_heads, spec.head_dim):
             return p
     return None

@@ -20,6 +20,7 @@ from ..core.pick import make_policy
 from ..core.stream_units import MediaSetting
 from ..core.units import History
 from ..errors import RestoreError, SessionBusyError, SessionError
+from ..models.family import family_of
 from .records import UpdateRecord, SessionCounters, _Waiting
 
 
@@ -56,13 +57,9 @@ class _Saved:
 
 
 def model_family(model) -> str:
-    """A model's family for saved sessions: its port's package (``qwen2_5_omni``, ``minicpmo``, ...), the same for
-    the MLX and the torch port of one model, else its class name."""
-    parts = type(model).__module__.split(".")
-    for anchor in ("models", "torch"):
-        if anchor in parts[:-1]:
-            return parts[parts.index(anchor) + 1]
-    return type(model).__name__
+    """A model's family for saved sessions: its family record's name (``qwen2_5_omni``, ``minicpmo``, ...), the
+    same for the MLX and the torch port of one model, else its class name (models/family.py: ``family_of``)."""
+    return family_of(model)
 
 
 def _check_model(file: Path, saved: dict | None, model, spec) -> None:

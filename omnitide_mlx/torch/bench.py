@@ -40,7 +40,7 @@ from ..core.layout_checkpoints import Checkpoint, checkpoint_simulator, parse_hi
 from ..core.page import AllocClass, MigrationPlan, PageTable
 from ..core.paged_cache import TABLE_ARRAYS, table_meta
 from ..core.pick import make_policy
-from ..core.profiles import PROFILES
+from ..models.family import profiles
 from ..models.stream_units import resolve_profile
 from ..bench.report import write_outputs
 from ..core.sim import LayoutTrace
@@ -245,7 +245,7 @@ def markdown(result: dict) -> str:
 # --- command line -------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``omnitide bench attention`` (same names), plus the device and kernels."""
-    p.add_argument("--shape", default="qwen2.5-omni-7b", choices=sorted(PROFILES))
+    p.add_argument("--shape", default="qwen2.5-omni-7b", choices=sorted(profiles()))
     p.add_argument("--history", default="4096,8192,16384,32768", help="comma-separated no-slide checkpoints")
     p.add_argument("--policy", default="omnipick")
     p.add_argument("--high", type=int, default=None)

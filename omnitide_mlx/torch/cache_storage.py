@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..core.paged_cache import check_saved_buffers
+from ..core.shapes import kv_bytes_per_token
 from .rope import rotate_tokens, stochastic_round
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class TorchKVStorage:
     @property
     def bytes_per_token(self) -> int:
         c = self.cache
-        return 2 * c.num_layers * c.kv_heads * c.head_dim * self.dtype_bytes
+        return kv_bytes_per_token(c.num_layers, c.kv_heads, c.head_dim, self.dtype_bytes)
 
     def grow(self, old: int, new: int) -> None:
         c = self.cache

@@ -447,3 +447,21 @@ def test_leftover_values_are_checked():
         "omnipick", (("leftover", "audio+text"), ("text_budget", 64)))
     with pytest.raises(ValueError, match="leftover"):
         parse_policy_spec("omnipick:leftover=video")
+
+
+def test_policy_names_and_default_watermarks_have_one_definition():
+    """core.pick's registry names the policies for the CLI and the stream benchmark, and its one default
+    watermark pair is every policy constructor's default (a model family's record gives its own)."""
+    import inspect
+
+    from omnitide_mlx.bench.stream.names import ENGINE_POLICIES
+    from omnitide_mlx.commands.options import LOW_RATIO, POLICIES as CLI_POLICIES
+    from omnitide_mlx.core.pick import DEFAULT_HIGH, DEFAULT_LOW, POLICIES, POLICY_NAMES
+
+    assert tuple(CLI_POLICIES) == ENGINE_POLICIES == POLICY_NAMES == tuple(POLICIES)
+    assert LOW_RATIO == DEFAULT_LOW / DEFAULT_HIGH == 0.72
+    for cls, _ in POLICIES.values():
+        params = inspect.signature(cls.__init__).parameters
+        assert (params["high"].default, params["low"].default) == (DEFAULT_HIGH, DEFAULT_LOW), cls
+    with pytest.raises(RetentionError, match="ModelProfile"):
+        make_policy("omnitide", profile="minicpm-o-4.5")

@@ -10,7 +10,8 @@ import pytest
 from omnitide_mlx.cli import main as cli_main
 from omnitide_mlx.core.page import AllocClass
 from omnitide_mlx.core.pick import H2O, OmniPick, StreamingLLM, make_policy
-from omnitide_mlx.core.profiles import PROFILES, ProfileError, StreamSpec, get_profile
+from omnitide_mlx.core.profiles import ProfileError, StreamSpec
+from omnitide_mlx.models.family import get_profile, profiles
 from omnitide_mlx.core.layout import LAYOUT_NAMES
 from omnitide_mlx.core.sim import SimError, Simulator, page_table_at, simulate, snapshot_at
 from omnitide_mlx.core.units import SpanKind
@@ -61,11 +62,11 @@ def test_qwen_unit_uses_tmrope_positions():
 
 
 def test_policy_defaults_come_from_the_profile_and_keywords_win():
-    p = make_policy("omnitide", profile="minicpm-o-4.5")
+    p = make_policy("omnitide", profile=get_profile("minicpm-o-4.5"))
     assert (p.high, p.low) == (2500, 1800) and p.recent_units == 2
-    p = make_policy("omnitide", profile="minicpm-o-4.5", slice_sink=5, low=1000)
+    p = make_policy("omnitide", profile=get_profile("minicpm-o-4.5"), slice_sink=5, low=1000)
     assert p.slice_sink == 5 and p.low == 1000
-    assert make_policy("streamingllm", profile="qwen2.5-omni-7b").sink == 2  # OmniPick knobs are filtered out
+    assert make_policy("streamingllm", profile=get_profile("qwen2.5-omni-7b")).sink == 2  # OmniPick knobs are filtered out
     with pytest.raises(ProfileError, match="unknown profile"):
         get_profile("llava")
 
@@ -80,7 +81,7 @@ def test_stream_is_deterministic_by_seed():
         StreamSpec(10, reply_tokens=(5, 2))
 
 
-@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("profile", sorted(profiles()))
 @pytest.mark.parametrize("policy", ["omnitide", "fifo", "token", "streamingllm", "h2o", "full"])
 def test_simulator_keeps_tables_and_history_in_step(profile, policy):
     """check=True validates every layout's table against the history after each update (invariant 6)."""

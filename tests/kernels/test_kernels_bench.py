@@ -49,10 +49,11 @@ def test_bench_rows_on_a_tiny_shape():
 
 def test_cli_writes_json(tmp_path, monkeypatch):
     """The command end to end on a tiny profile (monkeypatched shape) with --json and --plot."""
-    from omnitide_mlx.core import profiles
+    from omnitide_mlx.models import stream_units
 
-    small = profiles.PROFILES["minicpm-o-4.5"].with_shape(q_heads=4, kv_heads=1, head_dim=32)
-    monkeypatch.setitem(profiles.PROFILES, "minicpm-o-4.5", small)
+    real = stream_units.get_profile
+    small = real("minicpm-o-4.5").with_shape(q_heads=4, kv_heads=1, head_dim=32)
+    monkeypatch.setattr(stream_units, "get_profile", lambda name: small if name == "minicpm-o-4.5" else real(name))
     out = tmp_path / "a.json"
     png = tmp_path / "a.png"
     rc = main(["bench", "attention", "--shape", "minicpm-o-4.5", "--history", "1024", "--reps", "1",

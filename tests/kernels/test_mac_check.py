@@ -15,11 +15,11 @@ from omnitide_mlx.bench import mac_check
 
 @pytest.fixture
 def small_shapes(monkeypatch):
-    from omnitide_mlx.core import profiles
+    from omnitide_mlx.models import stream_units
 
-    for name in mac_check.SHAPES:
-        p = profiles.PROFILES[name]
-        monkeypatch.setitem(profiles.PROFILES, name, p.with_shape(q_heads=4, kv_heads=2, head_dim=32))
+    real = stream_units.get_profile
+    small = {name: real(name).with_shape(q_heads=4, kv_heads=2, head_dim=32) for name in mac_check.SHAPES}
+    monkeypatch.setattr(stream_units, "get_profile", lambda name: small.get(name) or real(name))
 
 
 def test_dry_run_writes_the_report(tmp_path, small_shapes):

@@ -147,12 +147,11 @@ def kv_quant_info(model: ShapeTrueModel, policies, kv_bits: int | None, kv_group
         return None
     prof = model.profile
     s = model.shape
-    row = s.head_dim * kv_bits // 8 + 2 * (s.head_dim // kv_group_size) * 4
     return {"bits": kv_bits, "group_size": kv_group_size, "engine_rerotate": "deferred",
             "variants": [n for n in policies if split_variant(n)[1] or n == MLX_LM_QUANT],
             "mlx_lm_cache": f"QuantizedKVCache(group_size={kv_group_size}, bits={kv_bits})",
-            "bench_kv_bytes_per_token": 2 * s.layers * s.kv_heads * row,
-            "bench_kv_bytes_per_token_float": 2 * s.layers * s.kv_heads * s.head_dim * 4,
+            "bench_kv_bytes_per_token": s.kv_bytes_per_token(4, kv_bits, kv_group_size),
+            "bench_kv_bytes_per_token_float": s.kv_bytes_per_token(4),
             "real_kv_bytes_per_token": real_kv_bytes_per_token(prof, kv_bits, kv_group_size),
             "real_kv_bytes_per_token_fp16": prof.kv_bytes_per_token}
 

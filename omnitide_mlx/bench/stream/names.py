@@ -1,10 +1,12 @@
 """Names and constants of ``omnitide bench stream``: the variants, their groupings, the goals and the paper's
-figures, and the pure helpers on variant names. Imports no array framework: the plots, the goals and the
+figures, and the pure helpers on variant names. Imports no array framework (the policy names are core.pick's): the plots, the goals and the
 variants all read these, so no two of them have to import each other."""
 
 from __future__ import annotations
 
-ENGINE_POLICIES = ("full", "fifo", "token", "streamingllm", "h2o", "omnipick", "omnitide", "eager")
+from ...core.pick import POLICY_NAMES
+
+ENGINE_POLICIES = POLICY_NAMES  # core.pick's registry, in its order (the order of the JSON's rows)
 MLX_LM_VARIANTS = ("mlx_kvcache", "mlx_rotating")
 VARIANTS = ENGINE_POLICIES + MLX_LM_VARIANTS
 MLX_LM_QUANT = "mlx_quantized"  # mlx-lm's QuantizedKVCache (unbounded, quantised): with --kv-bits
@@ -50,7 +52,4 @@ def split_variant(name: str) -> tuple[str, int | None]:
 def real_kv_bytes_per_token(prof, bits: int | None, group_size: int) -> int:
     """K and V bytes of one token of the real model (all layers, the paper's fp16 KV); quantised: packed values
     plus fp16 scales and biases per group of ``group_size``."""
-    if not bits:
-        return prof.kv_bytes_per_token
-    row = prof.head_dim * bits // 8 + 2 * (prof.head_dim // group_size) * prof.kv_dtype_bytes
-    return 2 * prof.layers * prof.kv_heads * row
+    return prof.shape.kv_bytes_per_token(prof.kv_dtype_bytes, bits, group_size)

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ...cache import DECODE_MAX_TOKENS
 from ...core.profiles import StreamSpec
-from ..shape_models import ShapeTrueModel, question_tokens, reply_closing_tokens, update_flops
+from ..shape_models import ShapeTrueModel, update_flops
 from .names import LAYOUT_TRIO, real_kv_bytes_per_token
 from .profiling import ProfiledOmniCache
 from .rows import (AttentionEvent, AttentionSessionRow, EventAttention, SessionAttention, SessionEvent, SessionLimits,
@@ -146,6 +146,6 @@ def _full_context_series(model: ShapeTrueModel, events: list[tuple]) -> list[int
         if ev[0] == "media":
             tokens += prof.media_unit_tokens
         else:
-            tokens += question_tokens(prof.family, ev[1]) + ev[2] + reply_closing_tokens(prof.family)
+            tokens += prof.framing.question_tokens(ev[1]) + ev[2] + len(prof.framing.reply_close)
         out.append(tokens)
     return out
