@@ -201,7 +201,8 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
 
     recorder = RetentionRecorder(setting.build())
     m = _OmniStyleModel(model) if style == "omni" else model
-    session = OmniSession((m, tokenizer), system_prompt=system_prompt, policy=recorder, **(kv or {}))
+    session = OmniSession((m, tokenizer), system_prompt=system_prompt, policy=recorder, **(kv or {}),
+                          **setting.session_kwargs())
     candidates: dict[str, int] = {}
     for f in episode.facts:
         ids = tokenizer.encode(" " + f.word)
