@@ -124,7 +124,7 @@ def test_release_restores_positions_pages_and_keys(model, chunks):
     s.cache.page_table.check_history(s.history)
     stats = s.stats()["recall"]
     assert stats["units"] == len(s.recall.index) and stats["answers"][-1]["question"] == "And now?"
-    assert {"score_ms", "rerotate_ms", "copy_ms", "release_ms"} <= set(stats["answers"][-1])
+    assert {"probe_ms", "score_ms", "rerotate_ms", "copy_ms", "release_ms"} <= set(stats["answers"][-1])
 
 
 def test_save_and_restore_keep_the_store(model, chunks, tmp_path):

@@ -115,13 +115,14 @@ class Recall:
         t0 = time.perf_counter()
         self._make_room(n + reserve)
         queries = self._question_queries(embeds, positions)
+        tq = time.perf_counter()
         scores = self.recall.score(queries, int(positions.min()), cands)
         tokens = np.array([e.tokens for e in cands])
         chosen = [cands[i] for i in pick_units(scores, tokens, self._recall_limit())]
         chosen = self._fit_budget(chosen, scores, cands, n + reserve)
         t1 = time.perf_counter()
         if not chosen:
-            record["score_ms"] = (t1 - t0) * 1000
+            record.update(probe_ms=(tq - t0) * 1000, score_ms=(t1 - tq) * 1000)
             return 0
         re = readmit_history(self.history, [e.unit for e in chosen])
         rest = [self.cache.slots_of_unit(u.uid) for u in self.history.stream_units]
@@ -136,7 +137,8 @@ class Recall:
         by_uid = dict(zip((e.uid for e in cands), scores))
         record.update(uids=list(self._recalled), t=[e.unit.t for e in chosen], tokens=re.tokens,
                       scores=[float(by_uid[e.uid]) for e in chosen], shift=re.shift,
-                      score_ms=(t1 - t0) * 1000, rerotate_ms=(t2 - t1) * 1000, copy_ms=(t3 - t2) * 1000)
+                      probe_ms=(tq - t0) * 1000, score_ms=(t1 - tq) * 1000, rerotate_ms=(t2 - t1) * 1000,
+                      copy_ms=(t3 - t2) * 1000)
         self.counters.maintenance_ms += (t3 - t0) * 1000
         return re.shift
 
@@ -208,7 +210,8 @@ class Recall:
 
     def last_recall(self) -> dict | None:
         """The recall record of the last answer (or probe): the recalled uids, their stream times ``t``, tokens,
-        scores and the milliseconds spent scoring, re-rotating, copying and releasing; None without recall."""
+        scores and the milliseconds spent on the question's query prefill (``probe_ms``), scoring, re-rotating the
+        retained keys, copying the recalled K/V in and releasing them; None before any."""
         return self.recall_log[-1] if self.recall_log else None
 
     def _recall_stats(self) -> dict | None:
