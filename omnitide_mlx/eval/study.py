@@ -189,6 +189,7 @@ class ProbeRecord:
     retained: bool  # the fact's answer token was in the KV cache when asked
     cache_tokens: int  # tokens in the cache when asked
     recalled: bool = False  # the fact's unit was brought back from the recall store for this question
+    recalled_tokens: int = 0  # tokens brought back for this question (in the cache next to cache_tokens)
 
 
 def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
@@ -239,7 +240,8 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
                 predicted=predicted, correct=predicted == fact.word,
                 exact=int(np.argmax(logits)) == candidates[fact.word],
                 retained=recorder.retained(uid, index), cache_tokens=session.history.total_tokens,
-                recalled=recall is not None and uid in recall["uids"]))
+                recalled=recall is not None and uid in recall["uids"],
+                recalled_tokens=recall["tokens"] if recall is not None else 0))
     return out
 
 
