@@ -32,11 +32,11 @@ COST_KEYS = ("probe_ms", "score_ms", "rerotate_ms", "copy_ms", "release_ms")
 
 
 def run(shape: str, layers: int, units: int, questions: int, max_tokens: int, recall: str,
-        recall_tokens: int | None, kv_bits: int | None = None) -> dict:
+        recall_tokens: int | None, kv_bits: int | None = None, policy: str = "omnitide") -> dict:
     model = ShapeTrueModel(shape, layers=layers)
     quant = {"kv_bits": kv_bits} if kv_bits else {}
-    plain = OmniSession(model, policy="omnitide", **quant)
-    with_recall = OmniSession(model, policy="omnitide", recall=recall, recall_tokens=recall_tokens, **quant)
+    plain = OmniSession(model, policy=policy, **quant)
+    with_recall = OmniSession(model, policy=policy, recall=recall, recall_tokens=recall_tokens, **quant)
     for t in range(units):
         for s in (plain, with_recall):
             s.push(frame=_FRAME, audio=_SECOND, t=float(t))
@@ -60,11 +60,11 @@ def run(shape: str, layers: int, units: int, questions: int, max_tokens: int, re
     stats = with_recall.stats()
     return {
         "command": "python -m omnitide_mlx.bench.recall " + " ".join(
-            [f"--shape {shape}", f"--layers {layers}", f"--units {units}", f"--questions {questions}",
+            [f"--shape {shape}", f"--policy {policy}", f"--layers {layers}", f"--units {units}", f"--questions {questions}",
              f"--max-tokens {max_tokens}", f"--recall {recall}"]
             + ([f"--recall-tokens {recall_tokens}"] if recall_tokens else []) + ([f"--kv-bits {kv_bits}"] if kv_bits
                                                                                  else [])),
-        "shape": shape, "layers": layers, "units": units, "max_tokens": max_tokens,
+        "shape": shape, "policy": policy, "layers": layers, "units": units, "max_tokens": max_tokens,
         "watermarks": [with_recall.policy.high, with_recall.policy.low],
         "tokens_per_unit": model.profile.media_unit_tokens,
         "store": {k: v for k, v in stats["recall"].items() if k != "answers"},
@@ -86,6 +86,8 @@ def _git() -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="minicpm-o-4.5")
+    p.add_argument("--policy", default="omnitide", help="fifo drops whole units from the start, so the store fills "
+                   "in a short stream (OmniPick first trims units to their sinks)")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--units", type=int, default=12)
     p.add_argument("--questions", type=int, default=5)
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    out = run(a.shape, a.layers, a.units, a.questions, a.max_tokens, a.recall, a.recall_tokens, a.kv_bits)
+    out = run(a.shape, a.layers, a.units, a.questions, a.max_tokens, a.recall, a.recall_tokens, a.kv_bits, a.policy)
     text = json.dumps(out, indent=1)
     if a.json:
         Path(a.json).write_text(text, encoding="utf-8")

@@ -36,7 +36,7 @@ def test_a_small_study_with_recall_on_smollm2(tmp_path):
     from omnitide_mlx.cli import main
 
     out = tmp_path / "study"
-    assert main(["eval", "study", "--style", "omni", "--out", str(out), "--episodes", "1", "--units", "12",
+    assert main(["eval", "study", "--style", "omni", "--out", str(out), "--episodes", "1", "--units", "20",
                  "--facts", "3", "--policy", "omnipick", "--watermarks", "240/160", "--recall", "10MB"]) == 0
     rows = {r["setting"]: r for r in json.loads((out / "results.json").read_text())["summary"]}
     assert set(rows) == {"omnipick@240-160", "omnipick+recall=10000000@240-160"}
