@@ -157,3 +157,19 @@ def test_a_store_over_its_budget_forgets_the_oldest(model, chunks):
 def test_bad_recall_options_are_refused_before_the_model_loads(kw, match):
     with pytest.raises(ValueError, match=match):
         OmniSession("/nonexistent/model", **kw)
+
+
+def test_under_a_kv_budget_recall_brings_back_only_what_fits(model, chunks):
+    """The ceiling holds with recalled units in the cache: the question and its reply keep their room, and the
+    units that would not fit stay in the store."""
+    budget = 512 * 320  # 320 float32 tokens of the tiny model (512 bytes each)
+    s = _stream(model, chunks, policy="fifo", kv_budget=budget, recall="10MB", recall_tokens=10_000)
+    stored = sum(e.tokens for e in s.recall.index)
+    peak = []
+    s.on_update = lambda rec: peak.append(s.cache.capacity)
+    s.answer("What happened?", max_tokens=6)
+    rec = s.last_recall()
+    assert 0 < rec["tokens"] < stored  # some, not all
+    assert max(peak + [s.cache.capacity]) * 512 <= budget and s.stats()["kv_bytes"] <= budget
+    s.cache.page_table.validate()
+    s.cache.page_table.check_history(s.history)
