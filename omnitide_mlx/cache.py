@@ -101,6 +101,8 @@ class OmniCache(PagedKVCache):
         self.storage = MlxKVStorage(self)
         self._step: CacheStep | None = None
         self._step_scores: mx.array | None = None
+        self.capture_queries: frozenset[int] | None = None  # layers whose queries attend() keeps (recall)
+        self.captured: dict[int, mx.array] = {}
 
     @classmethod
     def for_spec(cls, spec, dtype=mx.float16, **kw) -> "OmniCache":

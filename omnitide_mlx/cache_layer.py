@@ -88,6 +88,8 @@ class OmniLayerCache:
         if q.ndim != 4 or q.shape[0] != 1 or q.shape[2] != step.tokens or q.shape[3] != p.head_dim:
             raise CacheError(f"layer {self.index}: q must be [1, Hq, {step.tokens}, {p.head_dim}], got "
                              f"{tuple(q.shape)}")
+        if p.capture_queries is not None and self.index in p.capture_queries:
+            p.captured[self.index] = q  # recall scores stored units against a question's queries
         if p.kv_bits:
             return self._attend_quantized(q, k, v, scale, step)
         self.keys[:, :, step.write, :] = k.astype(p.dtype)

@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 QUANT_PARTS = ("", ".scales", ".biases")  # saved names of a quantised buffer's packed rows, scales, biases
 
 
+def rotate_rows(rope, x: mx.array, offsets: np.ndarray) -> mx.array:
+    """Rotate ``x`` ``[L, Hkv, n, D]`` (float32) by ``offsets`` ``[n]`` positions per token, in float32."""
+    n_layers, heads, n, d = x.shape
+    flat = x.transpose(2, 0, 1, 3).reshape(n, n_layers * heads, d)
+    y = rope.rotate_tokens(flat, mx.array(np.asarray(offsets, dtype=np.int32)))
+    return y.reshape(n, n_layers, heads, d).transpose(1, 2, 0, 3)
+
+
 class MlxKVStorage:
     """The buffers of one OmniCache (its ``layers``) and their per-slot state, as numpy arrays over the slots:
     ``scores`` (accumulated attention, float32), ``full_row`` (each slot's full-precision row, -1: none),
@@ -158,6 +166,48 @@ class MlxKVStorage:
                 layer.full_keys = self._rerotate_float(layer.full_keys, mx.array(rows[full].astype(np.int32)),
                                                        mx.array((-shifts[full]).astype(np.int32)),
                                                        seeds[layer.index])
+
+    # --- recall (omnitide_mlx/recall.py): an evicted unit's rows out, a recalled unit's rows back in -----------
+    def read_rows(self, slots: np.ndarray) -> tuple[mx.array, mx.array]:
+        """Every layer's K and V at ``slots``, float32 ``[L, Hkv, n, D]``; keys as rotated at their tokens' current
+        positions (a pending deferred shift applied)."""
+        c = self.cache
+        if c.keep_sinks_full and (self.full_row[slots] >= 0).any():
+            raise CacheError("full-precision rows belong to the system prefix, which is never evicted")
+        idx = mx.array(slots.astype(np.int32))
+        ks, vs = [], []
+        for layer in c.layers:
+            if c.kv_bits:
+                ks.append(dequantize_rows([a[:, :, idx, :] for a in layer.keys], c.kv_group_size, c.kv_bits)[0])
+                vs.append(dequantize_rows([a[:, :, idx, :] for a in layer.values], c.kv_group_size, c.kv_bits)[0])
+            else:
+                ks.append(layer.keys[:, :, idx, :][0].astype(mx.float32))
+                vs.append(layer.values[:, :, idx, :][0].astype(mx.float32))
+        keys, values = mx.stack(ks), mx.stack(vs)
+        if self.shift.size and self.shift[slots].any():
+            keys = rotate_rows(c.rope, keys, -self.shift[slots])
+        return keys, values
+
+    def write_rows(self, slots: np.ndarray, keys: mx.array, values: mx.array) -> None:
+        """Write float ``keys`` / ``values`` ``[L, Hkv, n, D]`` (keys rotated at the tokens' positions) into
+        ``slots`` of every layer, cast or quantised as the cache holds them; the slots have no pending shift and no
+        score."""
+        c = self.cache
+        idx = mx.array(slots.astype(np.int32))
+        for layer in c.layers:
+            k, v = keys[layer.index][None].astype(c.dtype), values[layer.index][None].astype(c.dtype)
+            if c.kv_bits:
+                for bufs, x in ((layer.keys, k), (layer.values, v)):
+                    for buf, part in zip(bufs, quantize_rows(x, c.kv_group_size, c.kv_bits)):
+                        buf[:, :, idx, :] = part
+            else:
+                layer.keys[:, :, idx, :] = k
+                layer.values[:, :, idx, :] = v
+            mx.eval(layer.keys, layer.values)
+        if self.shift.size:
+            self.shift[slots] = 0
+        if self.scores.size:
+            self.scores[slots] = 0.0
 
     def release(self, slots: np.ndarray) -> None:
         if self.cache.collect_scores:

@@ -80,9 +80,10 @@ from .streaming.persist import (  # noqa: F401  (the engine's API, defined in it
 from .streaming.inbox import Inbox, _check_text, _check_time  # noqa: F401
 from .streaming.reply import Replies, _partial_stop, _stop_index  # noqa: F401
 from .streaming.retention import Retention
+from .streaming.recall import Recall
 
 
-class StreamingSession(Persistence, Inbox, Retention, Replies):
+class StreamingSession(Persistence, Inbox, Retention, Replies, Recall):
     """Push media, ask questions, bounded KV: the engine, independent of the array framework.
 
     A session is composed of a ``backend`` (:class:`~omnitide_mlx.backend.Backend`: the model calls, the cache,
@@ -96,14 +97,20 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
                  kv_budget: int | str | None = None, kv_dtype=None, page_size: int = 64, subblock_size: int = 32,
                  on_update: Callable[[UpdateRecord], None] | None = None, media: MediaSetting | None = None,
                  kv_bits: int | None = None, kv_group_size: int = 64, kv_keep_sinks_full: bool = False,
-                 layout: LayoutSpec | str | None = None, _saved: _Saved | None = None):
+                 layout: LayoutSpec | str | None = None, recall: int | str | None = None,
+                 recall_tokens: int | None = None, recall_bits: int | None = 8, _saved: _Saved | None = None):
         """``media``: the media setting (frame size, ``max_pixels`` / ``max_slice_nums``; ``get_preset("paper")``)
         the adapter lays units out at (default: the official long-video processing). A named policy with no
         ``high`` / ``low`` / ``kv_budget`` gets the model's own watermarks (core/profiles.py, paper figure 14).
         ``layout``: the KV layout (a frozen ``core.layout.LayoutSpec``, or a layout name), default the policy's
         (``omnitide``: OmniPage, ``omnipick``: native, ``eager``), as the backend builds it.
+        ``recall``: the byte budget (or a size string, ``"1GiB"``) of a store that keeps the units retention drops
+        (quantised to ``recall_bits``) and brings the best of them back for each answer, at most ``recall_tokens``
+        tokens (default: the room between the watermarks); streaming/recall.py. A restored session keeps its saved
+        store (the arguments apply when it was saved without one).
         ``_saved`` (from ``restore``): the saved session to continue; its settings replace the arguments."""
         self.backend = backend
+        recall_opts = self._check_recall(recall, recall_tokens, recall_bits)
         if _saved is None:  # everything that can be checked without the model is checked before it loads
             self.kv_quant = self._check_kv_quant(kv_bits, kv_group_size, kv_keep_sinks_full)
             budget = _check_budget_args(policy, high, low, kv_budget)
@@ -154,6 +161,8 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
             self._load_saved(_saved)
         self._apply_budget()
         self._init_stream_state()
+        saved_recall = _saved.meta.get("recall") if _saved is not None else None
+        self._init_recall(recall_opts, saved_recall, _saved.path if saved_recall else None)
         if _saved is None:
             with self._lock:
                 system = self.adapter.system_unit(system_prompt, 0)
@@ -334,22 +343,27 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
                 raise SessionBusyError("cannot probe while a reply is open: read it to the end or close() its "
                                        "iterator first")
             self._settle_locked()
-            cache, history = self.cache, self.history
-            n, uid = len(ids), history.next_uid()
-            positions = text_positions(history.next_position(), n, self.adapter.kv_spec.position_axes)
-            collect = cache.collect_scores
-            cache.collect_scores = False  # the probe's attention must not count for H2O
+            n, embeds = len(ids), self.adapter.embed_tokens(ids)
+            positions = text_positions(self.history.next_position(), n, self.adapter.kv_spec.position_axes)
             try:
-                cache.set_owner(uid)
-                logits, _ = self.backend.forward(self.model, cache, self.adapter.embed_tokens(ids), positions)
-                out = self.backend.to_numpy(logits)
+                positions = positions + self._recall_admit(embeds, positions, 0, "probe")
+                cache, history = self.cache, self.history
+                uid = history.next_uid()
+                collect = cache.collect_scores
+                cache.collect_scores = False  # the probe's attention must not count for H2O
+                try:
+                    cache.set_owner(uid)
+                    logits, _ = self.backend.forward(self.model, cache, embeds, positions)
+                    out = self.backend.to_numpy(logits)
+                finally:
+                    cache.collect_scores = collect
+                probe = Unit(uid=uid, kind=UnitKind.USER, spans=(Span(SpanKind.TEXT, 0, n),), positions=positions)
+                with_probe = History(list(history) + [probe])
+                keep = np.ones(with_probe.total_tokens, dtype=bool)
+                keep[-n:] = False
+                cache.evict(plan_from_mask(with_probe, keep, "probe"), with_probe)
             finally:
-                cache.collect_scores = collect
-            probe = Unit(uid=uid, kind=UnitKind.USER, spans=(Span(SpanKind.TEXT, 0, n),), positions=positions)
-            with_probe = History(list(history) + [probe])
-            keep = np.ones(with_probe.total_tokens, dtype=bool)
-            keep[-n:] = False
-            cache.evict(plan_from_mask(with_probe, keep, "probe"), with_probe)
+                self._recall_release()
             return out
 
     # --- introspection ----------------------------------------------------------------------------------------
@@ -391,6 +405,7 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
                 "migrations": c.migrations,
                 "migrated_cells": c.migrated_cells,
                 "rejected_chunks": c.rejected_chunks,
+                "recall": self._recall_stats(),
                 "media": {"frames": c.frames, "audio_seconds": c.audio_seconds, "silence_seconds": c.silence_seconds,
                           "frames_waiting": len(self._waiting), "frames_replaced": c.frames_replaced},
                 "timings": {

@@ -93,6 +93,17 @@ class MlxBackend:
         keep_cpu_buffers()
         return OmniCache.load(path)
 
+    def make_recall_store(self, cache: OmniCache, budget: int, bits: int | None):
+        """The evicted-unit store of a session with recall (recall.py)."""
+        from .recall import RecallStore
+
+        return RecallStore(cache, budget, bits)
+
+    def load_recall_store(self, cache: OmniCache, path: Path, meta: dict):
+        from .recall import RecallStore
+
+        return RecallStore.load(cache, path, meta)
+
     def forward(self, model, cache, embeds: mx.array, positions: np.ndarray, *, hidden: bool = False):
         pos = mx.array(positions if positions.shape[0] > 1 else positions[0])
         lm = model.language_model

@@ -24,8 +24,8 @@ examples:
   omnitide eval table runs/sb-3b runs/svb runs/ls   # the paper's table 2 layout
 """
 
-from .options import (UsageError, add_kv_arguments, add_media_arguments, media_setting, non_negative_int, positive_float,
-                      positive_int)
+from .options import (UsageError, add_kv_arguments, add_media_arguments, kv_budget, media_setting, non_negative_int,
+                      positive_float, positive_int)
 
 PAPER = "full,fifo,token,streamingllm,h2o,omnipick"
 
@@ -67,6 +67,9 @@ def _add_policy_arguments(p, default: str, default_marks: str | None = None) -> 
     p.add_argument("--high", type=positive_int, default=None,
                    help="high watermark (with --low; same as --watermarks H/L)")
     p.add_argument("--low", type=positive_int, default=None, help="low watermark")
+    p.add_argument("--recall", type=kv_budget, default=None, metavar="SIZE",
+                   help="also run each evicting policy with an evicted-unit store of SIZE (e.g. 1GiB) that brings "
+                        "stored units back for each question")
     p.add_argument("--out", required=True, help="output folder (results.json, table.md, per-setting outputs)")
     p.add_argument("--overwrite", action="store_true", help="start again instead of resuming into --out")
 
@@ -153,7 +156,8 @@ def run(args) -> int:
 def _settings(args, default_marks: list[str] | None = None):
     from ..eval.policies import expand_settings
 
-    return expand_settings(_policy_list(args.policy, PAPER), _watermark_list(args) or default_marks)
+    return expand_settings(_policy_list(args.policy, PAPER), _watermark_list(args) or default_marks,
+                           recall=getattr(args, "recall", None))
 
 
 def _run_benchmark(args) -> int:
@@ -219,6 +223,10 @@ def _run_study(args) -> int:
         print("omnitide eval study: --jobs goes with --experiment perplexity", file=sys.stderr)
         return 2
     if args.experiment != "recall":
+        if args.recall is not None:
+            print(f"omnitide eval study: --recall goes with --experiment recall (the {args.experiment} experiment "
+                  "runs its own settings)", file=sys.stderr)
+            return 2
         return _run_text_experiment(args)
     try:
         path = Path(args.gguf).expanduser() if args.gguf else smollm2_path()

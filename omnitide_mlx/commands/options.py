@@ -124,6 +124,28 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --kv-bits: keep the system prefix (the attention sinks) in full precision")
 
 
+def add_recall_arguments(p: argparse.ArgumentParser) -> None:
+    """``--recall SIZE`` (the evicted-unit store) and ``--recall-tokens``."""
+    p.add_argument("--recall", type=kv_budget, default=None, metavar="SIZE",
+                   help="keep the units retention evicts in a store of SIZE (e.g. 1GiB, 8-bit K/V) and bring the "
+                        "best of them back for each answer (default: off)")
+    p.add_argument("--recall-tokens", type=positive_int, default=None, metavar="TOKENS",
+                   help="with --recall: the most stored tokens an answer brings back (default: high - low)")
+
+
+def recall_kwargs(args) -> dict:
+    """``OmniSession`` keywords of ``--recall`` / ``--recall-tokens`` (checked: --recall-tokens needs --recall; the
+    torch backend has no store)."""
+    size, tokens = getattr(args, "recall", None), getattr(args, "recall_tokens", None)
+    if size is None:
+        if tokens is not None:
+            raise UsageError("--recall-tokens goes with --recall SIZE")
+        return {}
+    if getattr(args, "backend", "mlx") == "torch":
+        raise UsageError("--recall: the torch backend has no evicted-unit store (it is MLX's)")
+    return {"recall": size, "recall_tokens": tokens}
+
+
 def kv_kwargs(args) -> dict:
     """``OmniSession`` keywords of the quantised KV flags (checked: --kv-keep-sinks-full needs --kv-bits; the torch
     backend holds float K/V only)."""

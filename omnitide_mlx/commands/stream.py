@@ -20,7 +20,7 @@ from .options import (POLICIES, UsageError, add_model_arguments, add_policy_argu
                       add_progress_argument, add_sampling_arguments, check_output_dir, check_output_file,
                       check_session_dir, check_stop_strings,
                       parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
-from .options import add_kv_arguments, kv_kwargs
+from .options import add_kv_arguments, add_recall_arguments, kv_kwargs, recall_kwargs
 
 HELP = "stream a video/audio file through a model, asking questions at given times"
 DESCRIPTION = """Stream a file through an omni model one unit (a frame plus a second of audio) at a time, ask each
@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--realtime", action="store_true", help="pace the stream at one unit per wall-clock second")
     add_policy_arguments(p)
     add_kv_arguments(p)
+    add_recall_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--stats", action="store_true", help="print one line per streaming update (to stderr)")
     p.add_argument("--json", default=None, metavar="PATH", help="write answers and per-update KV figures as JSON")
@@ -78,6 +79,7 @@ def check_args(args) -> None:
     check_session_dir(getattr(args, "save_session", None), "--save-session")
     check_stop_strings(args)
     kv_kwargs(args)
+    recall_kwargs(args)
     if hasattr(args, "speak"):
         check_speech_args(args)
     _check_outputs_apart(args)
@@ -220,7 +222,7 @@ def session_from_args(args, on_update=None):
         model, processor = load(args.model, **load_kw)
     session = session_class((model, processor), system_prompt=args.system_prompt, policy=args.policy,
                             high=args.high, low=args.low, kv_budget=args.kv_budget, on_update=on_update,
-                            media=media, **kv)
+                            media=media, **kv, **recall_kwargs(args))
     session.model_path = _saved_model_path(args.model)
     return session
 
@@ -261,7 +263,16 @@ def kv_summary(s: dict) -> str:
             f"{s['physical_span']} slots, {s['active_pages']} active pages; capacity {s['kv_bytes'] / 2**20:.2f} MiB "
             f"allocated; {s['units']} units, {s['evictions']} evictions ({s['evicted_tokens']} tokens), "
             f"{s['migrations']} migrations ({s['migrated_cells']} cells); policy {s['policy']} "
-            + ("(no eviction)" if s["policy"] == "full" else f"(high {s['high']}, low {s['low']})"))
+            + ("(no eviction)" if s["policy"] == "full" else f"(high {s['high']}, low {s['low']})")
+            + recall_summary(s.get("recall")))
+
+
+def recall_summary(r: dict | None) -> str:
+    if not r:
+        return ""
+    brought = [a for a in r["answers"] if a["uids"]]
+    return (f"; recall: {r['units']} units stored ({r['bytes'] / 2**20:.2f} of {r['budget'] / 2**20:.2f} MiB, "
+            f"{r['forgotten']} forgotten), {len(brought)} of {len(r['answers'])} answers recalled some")
 
 
 class ChunkTally:
@@ -453,6 +464,13 @@ def run(args) -> int:
             answers.append({"t": t, "question": q, "answer": "".join(answer)})
             if stop.requested:
                 answers[-1]["interrupted"] = True
+            recalled = session.last_recall() if getattr(session, "recall", None) is not None else None
+            if recalled is not None:  # the stored units this answer was given back, by stream time
+                answers[-1]["recalled"] = {"uids": recalled["uids"], "t": recalled["t"],
+                                           "tokens": recalled["tokens"]}
+                if recalled["uids"]:
+                    print("   (recalled the units at " + ", ".join(f"{x:g}s" for x in recalled["t"] if x is not None)
+                          + ")", file=sys.stderr, flush=True)
 
     streamed = 0
     tally = ChunkTally(has_audio=media.audio_path is not None)

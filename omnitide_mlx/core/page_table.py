@@ -244,17 +244,29 @@ class PageTable:
         eligible = self._eligible_free(AllocClass(alloc_class))
         return int((eligible < limit).sum()) + max(0, limit - self.capacity)
 
-    def allocate(self, n: int, uid: int, alloc_class: AllocClass | int = AllocClass.RECENT_CONTEXT) -> np.ndarray:
+    def allocate(self, n: int, uid: int, alloc_class: AllocClass | int = AllocClass.RECENT_CONTEXT,
+                 serials: np.ndarray | None = None) -> np.ndarray:
         """Give ``n`` new tokens of unit ``uid`` a slot each; returns the slots in token order.
 
         The tokens get serials ``next_seq .. next_seq + n - 1`` in that order. Placement takes the lowest
         eligible free slots (see the module docstring) and grows the buffer a page at a time when short.
+        ``serials``: a recalled unit's own (older) serials instead, increasing, below ``next_seq`` and unused
+        (core/recall.py); ``next_seq`` is then unchanged.
         """
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise LayoutError(f"cannot allocate {n!r} slots")
         if not isinstance(uid, (int, np.integer)) or uid < 0:
             raise LayoutError(f"owner uid must be a non-negative int, got {uid!r}")
         alloc_class = AllocClass(alloc_class)
+        if serials is not None:
+            serials = np.asarray(serials, dtype=np.int64).reshape(-1)
+            if serials.size != n or (n and (serials.min() < 0 or serials.max() >= self._next_seq
+                                            or (np.diff(serials) <= 0).any()
+                                            or np.isin(serials, self._seq[self._seq >= 0]).any())):
+                raise LayoutError(f"unit {uid}: serials must be {n} increasing, unused values below next_seq "
+                                  f"{self._next_seq}")
+            if int(uid) in self._unit_count:
+                raise LayoutError(f"unit {uid} already holds entries")
         if n == 0:
             return np.zeros(0, dtype=np.int64)
         slots = self._eligible_free(alloc_class)
@@ -265,12 +277,14 @@ class PageTable:
             self.grow(-(-missing // self.page_size))
             slots = np.concatenate([slots, np.arange(first_new, first_new + missing, dtype=np.int64)])
         slots = slots[:n].astype(np.int64)
-        self._seq[slots] = np.arange(self._next_seq, self._next_seq + n, dtype=np.int64)
+        self._seq[slots] = np.arange(self._next_seq, self._next_seq + n, dtype=np.int64) if serials is None \
+            else serials
         self._unit[slots] = uid
         self._alloc_class[slots] = int(alloc_class)
         _count(self._class_counts, slots, int(alloc_class), self.page_size, +1)
         self._unit_count[int(uid)] = self._unit_count.get(int(uid), 0) + n
-        self._next_seq += n
+        if serials is None:
+            self._next_seq += n
         return slots
 
     def _check_occupied(self, slots: np.ndarray, what: str) -> np.ndarray:

@@ -189,6 +189,37 @@ class PagedKVCache:
             self.storage.release(freed)
         return freed
 
+    def readmit(self, uid: int, serials: np.ndarray, keys, values,
+                alloc_class: AllocClass = AllocClass.SELECTED_HISTORY) -> np.ndarray:
+        """Put a recalled unit back (core/recall.py): its tokens get slots under ``uid`` and their own older
+        ``serials`` (so the cache's logical order stays the history's), and the storage writes ``keys`` /
+        ``values`` (its rows, keys rotated at the unit's new positions) there. Returns the slots, token order."""
+        if self._step is not None:
+            raise CacheError("readmit() inside an open step")
+        n = len(serials)
+        if self.max_capacity is not None and self.table.free_slots_for(alloc_class, self.max_capacity) < n:
+            raise CacheError(f"a recalled unit of {n} tokens does not fit under the cache's ceiling of "
+                             f"{self.max_capacity} slots")
+        try:
+            slots = self.table.allocate(n, uid, alloc_class, serials=serials)
+        except LayoutError as e:
+            raise CacheError(str(e)) from e
+        self._ensure_capacity(self.table.capacity)
+        self.storage.write_rows(slots, keys, values)
+        return slots
+
+    def shift_keys(self, slots: np.ndarray, shift: int) -> None:
+        """Rotate the keys at ``slots`` forward by ``shift`` positions (recall moves the retained units up to make
+        room after the system prefix; the release plan's shift rule moves them back)."""
+        if self._step is not None:
+            raise CacheError("shift_keys() inside an open step")
+        if shift and slots.size:
+            if self.rope is None:
+                raise CacheError("recall shifts positions, but the cache has no RopeSpec to re-rotate keys")
+            self.storage.rerotate(slots, np.full(slots.size, -int(shift), dtype=np.int64),
+                                  [self.rounding_seed(i) + 2048 for i in range(self.num_layers)])
+            self.rotated_rows += int(slots.size)
+
     def rounding_seed(self, layer: int) -> int:
         """The seed of one layer's stochastic rounding in the current eviction (reproducible, distinct)."""
         return (self.seed * 1_000_003 + self.evictions) * 4096 + layer

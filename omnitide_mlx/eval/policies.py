@@ -29,6 +29,7 @@ class PolicySetting:
     overrides: tuple[tuple[str, int | str], ...] = ()
     high: int = DEFAULT_WATERMARKS[0]
     low: int = DEFAULT_WATERMARKS[1]
+    recall: int | None = None  # the session's evicted-unit store in bytes (streaming/recall.py); None: off
 
     @property
     def spec(self) -> str:
@@ -43,14 +44,14 @@ class PolicySetting:
         if self.name == "full":
             return "full"
         spec = self.spec.replace(":", "+").replace(",", "+")
-        return f"{spec}@{self.high}-{self.low}"
+        return f"{spec}{f'+recall={self.recall}' if self.recall else ''}@{self.high}-{self.low}"
 
     @property
     def label(self) -> str:
         base = PAPER_LABELS.get(self.name, self.name)
         if self.overrides:
             base += " (" + ", ".join(f"{k}={v}" for k, v in self.overrides) + ")"
-        return base
+        return base + (" + recall" if self.recall else "")
 
     @property
     def watermarks(self) -> str:
@@ -59,9 +60,16 @@ class PolicySetting:
     def build(self) -> RetentionPolicy:
         return make_policy(self.name, high=self.high, low=self.low, **dict(self.overrides))
 
+    def session_kwargs(self) -> dict:
+        """OmniSession keywords besides the policy (the recall store)."""
+        return {"recall": self.recall} if self.recall else {}
+
     def to_json(self) -> dict:
-        return {"name": self.name, "overrides": dict(self.overrides), "high": self.high, "low": self.low,
-                "key": self.key}
+        d = {"name": self.name, "overrides": dict(self.overrides), "high": self.high, "low": self.low,
+             "key": self.key}
+        if self.recall:  # run folders made before recall stay valid
+            d["recall"] = self.recall
+        return d
 
 
 def parse_policy_spec(text: str) -> tuple[str, tuple[tuple[str, int | str], ...]]:
@@ -111,9 +119,11 @@ def parse_watermarks(text: str) -> tuple[int, int]:
     return high, low
 
 
-def expand_settings(policies: list[str] | None, watermarks: list[str] | None) -> list[PolicySetting]:
+def expand_settings(policies: list[str] | None, watermarks: list[str] | None,
+                    recall: int | None = None) -> list[PolicySetting]:
     """Every policy spec at every watermark pair (``full`` once), in the order given; each is built once here
-    so that a bad option fails before any model is loaded."""
+    so that a bad option fails before any model is loaded. ``recall`` (bytes): each evicting setting also runs
+    with a recall store of that size, right after itself (paired in the study's tests)."""
     specs = [parse_policy_spec(p) for p in (policies or PAPER_POLICIES)]
     marks = [parse_watermarks(w) for w in watermarks] if watermarks else [DEFAULT_WATERMARKS]
     out: list[PolicySetting] = []
@@ -129,4 +139,6 @@ def expand_settings(policies: list[str] | None, watermarks: list[str] | None) ->
                 raise ValueError(f"policy {s.spec} at {high}/{low}: {e}") from None
             seen.add(s.key)
             out.append(s)
+            if recall and name != "full":
+                out.append(PolicySetting(name, overrides, high, low, recall=int(recall)))
     return out

@@ -98,7 +98,8 @@ def run_benchmark(opts: RunOptions, *, model=None, log: Callable[[str], None] = 
             log(f"{s.key}: {len(items) - len(todo)} of {len(items)} items already done")
         for n, item in enumerate(todo):
             t0 = time.perf_counter()
-            session = OmniSession(model, system_prompt=opts.system_prompt, policy=s.build(), media=opts.media)
+            session = OmniSession(model, system_prompt=opts.system_prompt, policy=s.build(), media=opts.media,
+                                  **s.session_kwargs())
             record = _run_one(bench, session, item, opts)
             record["tokens_per_unit"] = session.stats()["tokens_per_unit"]  # by span kind, at the media setting
             record["seconds"] = time.perf_counter() - t0

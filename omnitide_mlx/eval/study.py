@@ -188,6 +188,8 @@ class ProbeRecord:
     exact: bool  # the right word is the top token of the whole vocabulary
     retained: bool  # the fact's answer token was in the KV cache when asked
     cache_tokens: int  # tokens in the cache when asked
+    recalled: bool = False  # the fact's unit was brought back from the recall store for this question
+    recalled_tokens: int = 0  # tokens brought back for this question (in the cache next to cache_tokens)
 
 
 def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
@@ -201,7 +203,8 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
 
     recorder = RetentionRecorder(setting.build())
     m = _OmniStyleModel(model) if style == "omni" else model
-    session = OmniSession((m, tokenizer), system_prompt=system_prompt, policy=recorder, **(kv or {}))
+    session = OmniSession((m, tokenizer), system_prompt=system_prompt, policy=recorder, **(kv or {}),
+                          **setting.session_kwargs())
     candidates: dict[str, int] = {}
     for f in episode.facts:
         ids = tokenizer.encode(" " + f.word)
@@ -227,6 +230,7 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
             q = pending.pop(0)
             fact = episode.facts[q.fact]
             logits = session.probe_logits(question_ids(session, fact.question, fact.answer_prefix))
+            recall = session.last_recall() if session.recall is not None else None
             scores = {w: float(logits[i]) for w, i in candidates.items()}
             predicted = max(scores, key=scores.get)
             uid, index = answer_index[fact.unit]
@@ -235,7 +239,9 @@ def run_episode(model, tokenizer, episode: Episode, setting: PolicySetting,
                 delay=q.delay, age_tokens=int(sum(unit_tokens[fact.unit + 1:])), answer=fact.word,
                 predicted=predicted, correct=predicted == fact.word,
                 exact=int(np.argmax(logits)) == candidates[fact.word],
-                retained=recorder.retained(uid, index), cache_tokens=session.history.total_tokens))
+                retained=recorder.retained(uid, index), cache_tokens=session.history.total_tokens,
+                recalled=recall is not None and uid in recall["uids"],
+                recalled_tokens=recall["tokens"] if recall is not None else 0))
     return out
 
 
@@ -318,6 +324,12 @@ def paired_counts(records: dict[str, list[dict]], a: str, b: str) -> tuple[int, 
     return sum(ra[k] and not rb[k] for k in common), sum(rb[k] and not ra[k] for k in common)
 
 
+def _with_and_without_recall(a: str, b: str) -> bool:
+    """Whether settings ``a`` and ``b`` differ only in that one runs with a recall store."""
+    plain = lambda k: re.sub(r"\+recall=\d+", "", k)  # noqa: E731
+    return a != b and plain(a) == plain(b)
+
+
 def render_markdown(summaries: list[SettingSummary], records: dict[str, list[dict]], config: dict) -> str:
     lines = [f"Episodes: {config['episodes']} x {config['units']} units, {config['facts']} facts each "
              f"(chance {100 / config['facts']:.1f} %); model: {config['model']}.", ""]
@@ -347,7 +359,7 @@ def render_markdown(summaries: list[SettingSummary], records: dict[str, list[dic
             for s in summaries:
                 if s is p or (marks and not (s.setting.endswith("@" + marks) or s.setting == "full")):
                     continue
-                if s.setting.startswith("omnipick"):
+                if s.setting.startswith("omnipick") and not _with_and_without_recall(p.setting, s.setting):
                     continue
                 won, lost = paired_counts(records, p.setting, s.setting)
                 lines.append(f"- {p.label} {p.watermarks} vs {s.label} {s.watermarks}: +{won} / -{lost} "

@@ -30,7 +30,7 @@ SESSION_FORMAT = 2  # 2: records the model's family and KV shape, and the names 
 READABLE_FORMATS = (1, 2)
 
 
-SESSION_FILES = ("session.json", "kv.safetensors", "session.safetensors")
+SESSION_FILES = ("session.json", "kv.safetensors", "session.safetensors", "recall.safetensors")
 
 
 @dataclass
@@ -180,6 +180,7 @@ class Persistence:
             "policy": self.policy.config(),
             "layout": self.layout.to_json(),
             "kv_budget": self.kv_budget,
+            "recall": self._recall_meta(path),
             "kv_dtype": self.backend.dtype_name(self.kv_dtype),
             "history": self.history.to_json(),
             "adapter": meta_adapter,

@@ -5,6 +5,7 @@ the reply into the history.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -41,8 +42,17 @@ class Replies:
         """Prefill the question as a unit and open the reply (its tokens will belong to the next uid)."""
         prepared = self.adapter.user_unit(r.question, self.history.next_position())
         self._capture_hidden = r.on_forward is not None
-        self._unit(prepared, reserve=r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None
-                   else 0, question=True)
+        reserve = r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None else 0
+        if self.recall is not None:  # stored units the question needs come back first (streaming/recall.py)
+            self._check_size(prepared, reserve, question=True)
+            shift = self._recall_admit(prepared.inputs_embeds, prepared.positions, reserve, r.question[:40])
+            if shift:
+                prepared = dataclasses.replace(prepared, positions=prepared.positions + shift)
+        try:
+            self._unit(prepared, reserve=reserve, question=True)
+        except BaseException:
+            self._recall_release()
+            raise
         if r.on_forward is not None:
             r.on_forward(prepared.input_ids, prepared.inputs_embeds, self._captured_hidden())
         r.logits = self._last_logits
@@ -110,6 +120,8 @@ class Replies:
                                      positions=text_positions(r.start, fed + len(closing), axes),
                                      label=r.question[:40]))
             self.counters.units += 1
+        self._recall_release()  # recalled units leave before retention runs again
+        if fed + len(closing):
             self._maintain()
         text = self.adapter.decode(r.generated)
         cut = _stop_index(text, r.sampling.stop)

@@ -126,7 +126,9 @@ class Retention:
         return uid
 
     def _apply_retention(self, plan: RetentionPlan) -> tuple[int, int]:
-        """Evict what ``plan`` deletes (cache and history), then let the layout migrate; returns (evicted, moved)."""
+        """Evict what ``plan`` deletes (cache and history), then let the layout migrate; returns (evicted, moved).
+        With recall on, the units it drops whole go to the store first."""
+        self._recall_capture(plan)
         self.cache.evict(plan, self.history)
         self.history = apply_plan(self.history, plan)
         evicted = plan.tokens_before - plan.tokens_after
@@ -145,7 +147,7 @@ class Retention:
         t0 = time.perf_counter()
         evicted = migrated = 0
         scores = self.cache.token_scores(self.history) if self.policy.needs_scores else None
-        plan = self.policy.plan(self.history, scores=scores)
+        plan = self.policy.plan(self.history, scores=scores) if not self._recalled else None  # waits for release
         if plan is not None and plan.tokens_after < plan.tokens_before:
             evicted, migrated = self._apply_retention(plan)
         span = self.cache.layout_stats().physical_span
