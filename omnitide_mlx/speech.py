@@ -71,6 +71,7 @@ class SpeechOptions:
     sway_coefficient: float = -1.0
     seed: int | None = None
     tts_sampling: "TTSSampling | None" = None  # MiniCPM-o's TTS sampling (default: the official TTSSamplingParams)
+    token2wav_version: str | None = None  # MiniCPM-o: "1.0.6" / "1.0.7" token2wav (None: from the folder's files)
 
 
 class ChunkedToken2Wav:
@@ -131,16 +132,20 @@ class ChunkedToken2Wav:
         return out
 
 
-def speech_for(session) -> "Speech | MiniCPMSpeech":
+def speech_for(session, token2wav_version: str | None = None) -> "Speech | MiniCPMSpeech":
     """The session's speech models, loaded on first use from the model's checkpoint folder: Qwen2.5-Omni's talker +
-    token2wav + voices, or MiniCPM-o's TTS + StepAudio2 token2wav + voices."""
+    token2wav + voices, or MiniCPM-o's TTS + StepAudio2 token2wav + voices (``token2wav_version`` overrides the
+    version its files say; asking for another one reloads token2wav)."""
     speech = getattr(session, "_speech", None)
+    if speech is not None and token2wav_version is not None and \
+            getattr(getattr(speech, "token2wav", None), "version", token2wav_version) != token2wav_version:
+        speech = None
     if speech is None:
         path = getattr(session.model, "checkpoint_path", None)
         if hasattr(session.model, "require_tts"):  # MiniCPM-o: its TTS loads with the model, token2wav here
             from .models.minicpmo.speech import load_minicpm_speech
 
-            speech = load_minicpm_speech(session.model, path)
+            speech = load_minicpm_speech(session.model, path, token2wav_version)
         elif path is None or not hasattr(session.model, "language_model"):
             raise SpeechUnavailable(f"{type(session.model).__name__} has no talker: this model answers in text only")
         else:

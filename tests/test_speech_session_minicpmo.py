@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from omnitide_mlx import OmniSession
+from omnitide_mlx.models.loading import CheckpointError
 from omnitide_mlx.models.minicpmo.speech import TEXT_CHUNK, TOKEN2WAV_DIR
 from omnitide_mlx.models.minicpmo.tts import TTSSampling
 from omnitide_mlx.models.qwen2_5_omni.speech import SpeechUnavailable
@@ -87,7 +88,7 @@ def test_speaker_may_be_a_voice_file(ckpt, tmp_path):
     assert any(isinstance(i, AudioChunk) and i.pcm.size for i in items)
 
 
-def test_checkpoint_without_token2wav_or_unconverted_is_a_clear_error(ckpt, tmp_path):
+def test_checkpoint_without_token2wav_or_unconverted_is_a_clear_error(ckpt, tmp_path, monkeypatch):
     bare = tmp_path / "bare"
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("assets"))
     with pytest.raises(SpeechUnavailable, match="no token2wav folder"):
@@ -97,8 +98,14 @@ def test_checkpoint_without_token2wav_or_unconverted_is_a_clear_error(ckpt, tmp_
     for f in (pt / TOKEN2WAV_DIR).glob("*.safetensors"):
         if f.name != "voice.safetensors":
             f.unlink()
-    (pt / TOKEN2WAV_DIR / "flow.pt").write_bytes(b"not read")
-    with pytest.raises(SpeechUnavailable, match="omnitide convert --token2wav"):
+    (pt / TOKEN2WAV_DIR / "flow.pt").write_bytes(b"not a torch file")
+    # with torch the .pt is read with the tensors-only loader, which refuses anything else
+    with pytest.raises(CheckpointError, match="flow.pt is not a tensors-only torch state dict"):
+        OmniSession(str(pt)).ask("Hi?", speak=True)
+    from omnitide_mlx.models.stepaudio2 import weights
+
+    monkeypatch.setattr(weights, "torch_available", lambda: False)  # without torch: convert or install torch
+    with pytest.raises(SpeechUnavailable, match="torch is not installed.*omnitide convert --token2wav"):
         OmniSession(str(pt)).ask("Hi?", speak=True)
 
 
@@ -114,3 +121,20 @@ def test_reply_without_text_has_a_text_only_note(ckpt):
     assert "".join(i for i in items if isinstance(i, str)) == ""
     audio = [i for i in items if isinstance(i, AudioChunk)]
     assert len(audio) == 1 and audio[0].final and audio[0].pcm.size == 0 and "text only" in audio[0].note
+
+
+def test_released_106_layout_speaks_and_the_version_can_be_forced(tmp_path):
+    """The released checkpoint's assets/token2wav layout (flow.yaml + flow + original-HiFT hift, no config.yaml)
+    speaks through the 1.0.6 stream; asking for 1.0.7 there fails before the reply (no causal vocoder config)."""
+    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny106", tts=True, seed=3, token2wav_layout="1.0.6")
+    assert not (ckpt / TOKEN2WAV_DIR / "config.yaml").exists()
+    session = _session(ckpt)
+    items = _ask(session)
+    assert speech_for(session).token2wav.version == "1.0.6"
+    audio = [i for i in items if isinstance(i, AudioChunk)]
+    assert audio and audio[-1].final and sum(a.pcm.size for a in audio) > 0
+    assert all(np.isfinite(a.pcm).all() for a in audio)
+    with pytest.raises(CheckpointError, match="config.yaml"):
+        _ask(_session(ckpt), token2wav_version="1.0.7")
