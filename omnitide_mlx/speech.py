@@ -23,6 +23,7 @@ empty final chunk with a ``note``. The talker starts at the first non-blank text
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -242,8 +243,14 @@ class MiniCPMVoicer:
     """One MiniCPM-o reply spoken as the official ``streaming_generate`` does (modeling_minicpmo.py at 28b60cf):
     the reply's tokens, with the final-norm hidden state of the forward that fed each one back, go to the TTS in
     text chunks of 10; the TTS hands out audio tokens 25 at a time; token2wav streams windows of 25 fresh tokens
-    plus 3 of lookahead behind 3 silence tokens. One deviation: the official loop may send a window marked last and
-    then its 3 leftover tokens marked last again; here the reply's last audio goes to token2wav in one final push."""
+    plus 3 of lookahead behind 3 silence tokens, every full window alike (the reply's last ones too), and the
+    tokens left after the last full window go in one final push.
+
+    The reply's end, as officially: a reply that ended at a terminator feeds its last text chunk with the TTS's text
+    eos (``feed(..., last=True)``); a reply cut by the token limit feeds it as an ordinary chunk and then flushes
+    what the TTS holds (``finish()``), without an end-of-text chunk. The official loop could in principle send a
+    full window marked last and its 3 leftover tokens marked last again; the TTS never hands out a last chunk of
+    25 (a full chunk is always handed out unmarked first), so that cannot happen and is not modelled."""
 
     def __init__(self, speech, options: SpeechOptions):
         from .models.minicpmo.speech import SILENCE_PREFIX, SILENCE_TOKEN
@@ -283,7 +290,7 @@ class MiniCPMVoicer:
         for chunk in chunks:
             self.audio_tokens += len(chunk)
             self.buffer += [int(t) for t in chunk]
-            while not last and len(self.buffer) >= T2W_CHUNK + look:
+            while len(self.buffer) >= T2W_CHUNK + look:
                 out.append(self.stream.push(self.buffer[:T2W_CHUNK + look]))
                 self.buffer = self.buffer[T2W_CHUNK:]
         if last:
@@ -291,8 +298,9 @@ class MiniCPMVoicer:
             self.buffer = []
         return [np.asarray(x, dtype=np.float32).reshape(-1) for x in out]
 
-    def pump(self, final: bool) -> list[np.ndarray]:
-        """Feed the complete text chunks (all of the rest when ``final``) and return the audio ready now."""
+    def pump(self, final: bool, terminated: bool = True) -> list[np.ndarray]:
+        """Feed the complete text chunks (all of the rest when ``final``) and return the audio ready now.
+        ``terminated``: the reply ended at a terminator (False: at the token limit; see the class docstring)."""
         from .models.minicpmo.speech import TEXT_CHUNK
 
         out = []
@@ -303,7 +311,11 @@ class MiniCPMVoicer:
         if final and not self.finished:
             ids, h = self._text_chunk(self.fed, len(self.ids))
             self.fed = len(self.ids)
-            out += self._vocode(self.reply.feed(ids, h, last=True), last=True)
+            if terminated:
+                out += self._vocode(self.reply.feed(ids, h, last=True), last=True)
+            else:
+                chunks = self.reply.feed(ids, h) if len(ids) else []
+                out += self._vocode(chunks + self.reply.finish(), last=True)
             self.finished = True
         return [x for x in out if x.size]
 
@@ -314,6 +326,9 @@ def minicpm_spoken_reply(session, ask, question: str, speech, options: SpeechOpt
     voicer = MiniCPMVoicer(speech, options)
     sr = speech.sample_rate
     said, index = "", 0
+    # the engine feeds back every generated token and stops before max_tokens + 1: a reply that reached max_tokens
+    # tokens was cut by the limit (a terminator is never fed back)
+    limit = ask_kwargs.get("max_tokens", inspect.signature(ask).parameters["max_tokens"].default)
     try:
         for piece in ask(question, on_forward=voicer.on_forward, **ask_kwargs):
             said += piece
@@ -326,7 +341,7 @@ def minicpm_spoken_reply(session, ask, question: str, speech, options: SpeechOpt
             yield AudioChunk(np.zeros(0, np.float32), sr, index, final=True,
                              note="the reply has no text to speak: text only")
             return
-        chunks = voicer.pump(final=True)
+        chunks = voicer.pump(final=True, terminated=len(voicer.ids) < limit)
         if chunks:
             for j, pcm in enumerate(chunks):
                 yield AudioChunk(pcm, sr, index, final=j == len(chunks) - 1)

@@ -29,9 +29,9 @@ def _session(path):
     return s
 
 
-def _ask(session, **kw):
+def _ask(session, stop=None, **kw):
     opts = SpeechOptions(seed=0, tts_sampling=TTSSampling(max_new_tokens_per_chunk=60), **kw)
-    return list(session.ask("What is happening?", speak=True, max_tokens=32, speech=opts))
+    return list(session.ask("What is happening?", speak=True, max_tokens=32, speech=opts, stop=stop))
 
 
 def test_spoken_reply_streams_audio_before_the_text_ends(ckpt):
@@ -138,3 +138,28 @@ def test_released_106_layout_speaks_and_the_version_can_be_forced(tmp_path):
     assert all(np.isfinite(a.pcm).all() for a in audio)
     with pytest.raises(CheckpointError, match="config.yaml"):
         _ask(_session(ckpt), token2wav_version="1.0.7")
+
+
+
+def test_reply_cut_by_the_token_limit_is_flushed_not_ended(ckpt, monkeypatch):
+    """At max_tokens the TTS gets no end-of-text chunk: its buffer is flushed with finish(), as the official
+    streaming_generate does when the LLM runs out of chunks; a reply that stops earlier ends with the text eos."""
+    from omnitide_mlx.models.minicpmo.tts import TTSReply
+
+    calls, voicers = [], []
+    real_feed, real_finish, real_pump = TTSReply.feed, TTSReply.finish, MiniCPMVoicer.pump
+    monkeypatch.setattr(TTSReply, "feed", lambda self, ids, h, last=False: calls.append(("feed", last))
+                        or real_feed(self, ids, h, last))
+    monkeypatch.setattr(TTSReply, "finish", lambda self: calls.append(("finish", None)) or real_finish(self))
+    monkeypatch.setattr(MiniCPMVoicer, "pump", lambda self, *a, **k: voicers.append(self) or real_pump(self, *a, **k))
+    items = _ask(_session(ckpt))  # max_tokens=32
+    assert len(voicers[-1].ids) == 32  # the tiny model ran to the limit
+    assert ("feed", True) not in calls and calls[-1] == ("finish", None)
+    assert [i for i in items if isinstance(i, AudioChunk)][-1].final
+    calls.clear()
+    text = "".join(_session(ckpt).ask("What is happening?", max_tokens=32))
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    assert text.find(stop) > 0 and text[:text.find(stop)].strip()
+    _ask(_session(ckpt), stop=[stop])  # greedy text: the same reply, cut by the stop string
+    assert len(voicers[-1].ids) < 32
+    assert calls[-1] == ("feed", True) and ("finish", None) not in calls
