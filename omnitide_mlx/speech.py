@@ -74,6 +74,44 @@ class SpeechOptions:
     tts_sampling: "TTSSampling | None" = None  # MiniCPM-o's TTS sampling (default: the official TTSSamplingParams)
     token2wav_version: str | None = None  # MiniCPM-o: "1.0.6" / "1.0.7" token2wav (None: from the folder's files)
 
+    def with_sampling(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                      repetition_penalty: float | None = None, greedy: bool | None = None) -> "SpeechOptions":
+        """These options with the speech sampler's settings changed where a value is given, for whichever model
+        speaks: Qwen2.5-Omni's talker (``sampling``, official defaults temperature 0.9, top-k 40, top-p 0.8,
+        repetition penalty 1.05) and MiniCPM-o's TTS (``tts_sampling``, official temperature 0.8, top-k 25,
+        top-p 0.85, repetition penalty 1.05); None keeps each model's official default. ``temperature`` 0 (or
+        ``greedy=True``) takes the arg-max of the penalised logits. Speech sampling is separate from the text's:
+        ``ask(temp=0)`` makes the text greedy, not the speech. ``ValueError`` for out-of-range values."""
+        from dataclasses import replace
+
+        from .models.minicpmo.tts import TTSSampling
+
+        checks = [(temperature is None or (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                                           and temperature >= 0), f"temperature must be >= 0, got {temperature!r}"),
+                  (top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1),
+                   f"top_k must be an integer >= 1, got {top_k!r}"),
+                  (top_p is None or (isinstance(top_p, (int, float)) and not isinstance(top_p, bool)
+                                     and 0 < top_p <= 1), f"top_p must be in (0, 1], got {top_p!r}"),
+                  (repetition_penalty is None or (isinstance(repetition_penalty, (int, float))
+                                                  and not isinstance(repetition_penalty, bool)
+                                                  and repetition_penalty > 0),
+                   f"repetition_penalty must be > 0, got {repetition_penalty!r}"),
+                  (greedy is None or isinstance(greedy, bool), f"greedy must be true or false, got {greedy!r}")]
+        bad = [why for ok, why in checks if not ok]
+        if bad:
+            raise ValueError("speech sampling: " + "; ".join(bad))
+        if temperature == 0:
+            temperature, greedy = None, True
+        given = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                       repetition_penalty=repetition_penalty, greedy=greedy).items() if v is not None}
+        if not given:
+            return self
+        if "temperature" in given and "greedy" not in given:
+            given["greedy"] = False  # a temperature asks for sampling
+        given = {k: (float(v) if k in ("temperature", "top_p", "repetition_penalty") else v) for k, v in given.items()}
+        return replace(self, sampling=replace(self.sampling, **given),
+                       tts_sampling=replace(self.tts_sampling or TTSSampling(), **given))
+
 
 class ChunkedToken2Wav:
     """token2wav over a growing code stream: ``add(codes)`` then ``ready(final)`` returns the waveform of every

@@ -251,11 +251,12 @@ class ManagedSession:
         speak = job.args.get("speak", False)
         try:
             if speak:  # loads the talker and token2wav on first use: a model step's worth of work
-                from ..speech import SpeechUnavailable
+                from ..speech import SpeechOptions, SpeechUnavailable
 
+                options = SpeechOptions().with_sampling(**job.args.get("speech_sampling", {}))
                 try:
                     with gate.step():
-                        it = s.ask(job.args["question"], speak=True, speaker=job.args.get("speaker"),
+                        it = s.ask(job.args["question"], speak=True, speaker=job.args.get("speaker"), speech=options,
                                    **job.args["sampling"])
                 except SpeechUnavailable as e:
                     raise ClientError("speech_unavailable", f"this model cannot speak: {e}") from None
