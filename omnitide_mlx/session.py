@@ -180,7 +180,7 @@ class OmniSession(StreamingSession):
                 options = replace(options, seed=seed)
             if options.sampling.seed is None:
                 options = replace(options, sampling=replace(options.sampling, seed=seed))
-        model = speech_for(self)
+        model = speech_for(self, options.token2wav_version)
         model.voice(options.speaker)  # an unknown speaker fails here, not mid-reply
         text_ask = super().ask
         text_ask(question, **kwargs).close()  # validates the question and options the same way, eagerly

@@ -23,6 +23,7 @@ empty final chunk with a ``note``. The talker starts at the first non-blank text
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -71,6 +72,45 @@ class SpeechOptions:
     sway_coefficient: float = -1.0
     seed: int | None = None
     tts_sampling: "TTSSampling | None" = None  # MiniCPM-o's TTS sampling (default: the official TTSSamplingParams)
+    token2wav_version: str | None = None  # MiniCPM-o: "1.0.6" / "1.0.7" token2wav (None: from the folder's files)
+
+    def with_sampling(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                      repetition_penalty: float | None = None, greedy: bool | None = None) -> "SpeechOptions":
+        """These options with the speech sampler's settings changed where a value is given, for whichever model
+        speaks: Qwen2.5-Omni's talker (``sampling``, official defaults temperature 0.9, top-k 40, top-p 0.8,
+        repetition penalty 1.05) and MiniCPM-o's TTS (``tts_sampling``, official temperature 0.8, top-k 25,
+        top-p 0.85, repetition penalty 1.05); None keeps each model's official default. ``temperature`` 0 (or
+        ``greedy=True``) takes the arg-max of the penalised logits. Speech sampling is separate from the text's:
+        ``ask(temp=0)`` makes the text greedy, not the speech. ``ValueError`` for out-of-range values."""
+        from dataclasses import replace
+
+        from .models.minicpmo.tts import TTSSampling
+
+        checks = [(temperature is None or (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                                           and temperature >= 0), f"temperature must be >= 0, got {temperature!r}"),
+                  (top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1),
+                   f"top_k must be an integer >= 1, got {top_k!r}"),
+                  (top_p is None or (isinstance(top_p, (int, float)) and not isinstance(top_p, bool)
+                                     and 0 < top_p <= 1), f"top_p must be in (0, 1], got {top_p!r}"),
+                  (repetition_penalty is None or (isinstance(repetition_penalty, (int, float))
+                                                  and not isinstance(repetition_penalty, bool)
+                                                  and repetition_penalty > 0),
+                   f"repetition_penalty must be > 0, got {repetition_penalty!r}"),
+                  (greedy is None or isinstance(greedy, bool), f"greedy must be true or false, got {greedy!r}")]
+        bad = [why for ok, why in checks if not ok]
+        if bad:
+            raise ValueError("speech sampling: " + "; ".join(bad))
+        if temperature == 0:
+            temperature, greedy = None, True
+        given = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                       repetition_penalty=repetition_penalty, greedy=greedy).items() if v is not None}
+        if not given:
+            return self
+        if "temperature" in given and "greedy" not in given:
+            given["greedy"] = False  # a temperature asks for sampling
+        given = {k: (float(v) if k in ("temperature", "top_p", "repetition_penalty") else v) for k, v in given.items()}
+        return replace(self, sampling=replace(self.sampling, **given),
+                       tts_sampling=replace(self.tts_sampling or TTSSampling(), **given))
 
 
 class ChunkedToken2Wav:
@@ -131,16 +171,20 @@ class ChunkedToken2Wav:
         return out
 
 
-def speech_for(session) -> "Speech | MiniCPMSpeech":
+def speech_for(session, token2wav_version: str | None = None) -> "Speech | MiniCPMSpeech":
     """The session's speech models, loaded on first use from the model's checkpoint folder: Qwen2.5-Omni's talker +
-    token2wav + voices, or MiniCPM-o's TTS + StepAudio2 token2wav + voices."""
+    token2wav + voices, or MiniCPM-o's TTS + StepAudio2 token2wav + voices (``token2wav_version`` overrides the
+    version its files say; asking for another one reloads token2wav)."""
     speech = getattr(session, "_speech", None)
+    if speech is not None and token2wav_version is not None and \
+            getattr(getattr(speech, "token2wav", None), "version", token2wav_version) != token2wav_version:
+        speech = None
     if speech is None:
         path = getattr(session.model, "checkpoint_path", None)
         if hasattr(session.model, "require_tts"):  # MiniCPM-o: its TTS loads with the model, token2wav here
             from .models.minicpmo.speech import load_minicpm_speech
 
-            speech = load_minicpm_speech(session.model, path)
+            speech = load_minicpm_speech(session.model, path, token2wav_version)
         elif path is None or not hasattr(session.model, "language_model"):
             raise SpeechUnavailable(f"{type(session.model).__name__} has no talker: this model answers in text only")
         else:
@@ -237,8 +281,14 @@ class MiniCPMVoicer:
     """One MiniCPM-o reply spoken as the official ``streaming_generate`` does (modeling_minicpmo.py at 28b60cf):
     the reply's tokens, with the final-norm hidden state of the forward that fed each one back, go to the TTS in
     text chunks of 10; the TTS hands out audio tokens 25 at a time; token2wav streams windows of 25 fresh tokens
-    plus 3 of lookahead behind 3 silence tokens. One deviation: the official loop may send a window marked last and
-    then its 3 leftover tokens marked last again; here the reply's last audio goes to token2wav in one final push."""
+    plus 3 of lookahead behind 3 silence tokens, every full window alike (the reply's last ones too), and the
+    tokens left after the last full window go in one final push.
+
+    The reply's end, as officially: a reply that ended at a terminator feeds its last text chunk with the TTS's text
+    eos (``feed(..., last=True)``); a reply cut by the token limit feeds it as an ordinary chunk and then flushes
+    what the TTS holds (``finish()``), without an end-of-text chunk. The official loop could in principle send a
+    full window marked last and its 3 leftover tokens marked last again; the TTS never hands out a last chunk of
+    25 (a full chunk is always handed out unmarked first), so that cannot happen and is not modelled."""
 
     def __init__(self, speech, options: SpeechOptions):
         from .models.minicpmo.speech import SILENCE_PREFIX, SILENCE_TOKEN
@@ -278,7 +328,7 @@ class MiniCPMVoicer:
         for chunk in chunks:
             self.audio_tokens += len(chunk)
             self.buffer += [int(t) for t in chunk]
-            while not last and len(self.buffer) >= T2W_CHUNK + look:
+            while len(self.buffer) >= T2W_CHUNK + look:
                 out.append(self.stream.push(self.buffer[:T2W_CHUNK + look]))
                 self.buffer = self.buffer[T2W_CHUNK:]
         if last:
@@ -286,8 +336,9 @@ class MiniCPMVoicer:
             self.buffer = []
         return [np.asarray(x, dtype=np.float32).reshape(-1) for x in out]
 
-    def pump(self, final: bool) -> list[np.ndarray]:
-        """Feed the complete text chunks (all of the rest when ``final``) and return the audio ready now."""
+    def pump(self, final: bool, terminated: bool = True) -> list[np.ndarray]:
+        """Feed the complete text chunks (all of the rest when ``final``) and return the audio ready now.
+        ``terminated``: the reply ended at a terminator (False: at the token limit; see the class docstring)."""
         from .models.minicpmo.speech import TEXT_CHUNK
 
         out = []
@@ -298,7 +349,11 @@ class MiniCPMVoicer:
         if final and not self.finished:
             ids, h = self._text_chunk(self.fed, len(self.ids))
             self.fed = len(self.ids)
-            out += self._vocode(self.reply.feed(ids, h, last=True), last=True)
+            if terminated:
+                out += self._vocode(self.reply.feed(ids, h, last=True), last=True)
+            else:
+                chunks = self.reply.feed(ids, h) if len(ids) else []
+                out += self._vocode(chunks + self.reply.finish(), last=True)
             self.finished = True
         return [x for x in out if x.size]
 
@@ -309,6 +364,9 @@ def minicpm_spoken_reply(session, ask, question: str, speech, options: SpeechOpt
     voicer = MiniCPMVoicer(speech, options)
     sr = speech.sample_rate
     said, index = "", 0
+    # the engine feeds back every generated token and stops before max_tokens + 1: a reply that reached max_tokens
+    # tokens was cut by the limit (a terminator is never fed back)
+    limit = ask_kwargs.get("max_tokens", inspect.signature(ask).parameters["max_tokens"].default)
     try:
         for piece in ask(question, on_forward=voicer.on_forward, **ask_kwargs):
             said += piece
@@ -321,7 +379,7 @@ def minicpm_spoken_reply(session, ask, question: str, speech, options: SpeechOpt
             yield AudioChunk(np.zeros(0, np.float32), sr, index, final=True,
                              note="the reply has no text to speak: text only")
             return
-        chunks = voicer.pump(final=True)
+        chunks = voicer.pump(final=True, terminated=len(voicer.ids) < limit)
         if chunks:
             for j, pcm in enumerate(chunks):
                 yield AudioChunk(pcm, sr, index, final=j == len(chunks) - 1)

@@ -107,3 +107,37 @@ def test_generate_speak_on_minicpmo_and_unknown_voice(speaking_minicpmo, tmp_pat
     r = omnitide("generate", "--model", speaking_minicpmo, "--prompt", "Hi", "--speak", "--speaker", "Nobody",
                  "--audio-out", tmp_path / "b", "-m", 2)
     assert r.returncode == 1 and "unknown speaker 'Nobody'" in r.stderr and "default" in r.stderr
+
+
+def _wav(path):
+    with wave.open(str(path)) as f:
+        return f.readframes(f.getnframes())
+
+
+def test_speech_sampling_flags_and_seed_reproduce_the_audio(speaking, tmp_path):
+    """--seed reproduces a sampled spoken answer byte for byte (the talker sampling at --speech-temp 1.2 with
+    top-k / top-p opened up, and the DiT noise); that another seed gives other samples is checked in process
+    (test_speech_session.py), to keep this file's CLI runs few."""
+    def run(name, *flags):
+        out = tmp_path / name
+        r = omnitide("generate", "--model", speaking, "--prompt", "Tell me a story.", "-m", 16, "--speak",
+                     "--audio-out", out, *flags)
+        assert r.returncode == 0, r.stderr
+        wavs = sorted(out.glob("*.wav"))
+        assert len(wavs) == 1, r.stderr
+        return _wav(wavs[0])
+
+    sampled = ("--seed", 3, "--speech-temp", "1.2", "--speech-top-k", "200", "--speech-top-p", "1.0",
+               "--speech-repetition-penalty", "1.1")
+    assert run("a", *sampled) == run("b", *sampled)
+
+
+def test_speech_sampling_flags_are_checked(speaking, tmp_path):
+    r = omnitide("generate", "--model", speaking, "--prompt", "Hi", "--speech-temp", "0.5")
+    assert r.returncode == 2 and "--speech-temp needs --speak" in r.stderr
+    r = omnitide("generate", "--model", speaking, "--prompt", "Hi", "--speak", "--speech-top-p", "0",
+                 "--audio-out", tmp_path / "a")
+    assert r.returncode == 2 and "--speech-top-p must be in (0, 1]" in r.stderr
+    r = omnitide("generate", "--model", speaking, "--prompt", "Hi", "--speak", "--speech-top-k", "0",
+                 "--audio-out", tmp_path / "a")
+    assert r.returncode == 2 and "--speech-top-k" in r.stderr

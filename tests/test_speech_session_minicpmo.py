@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from omnitide_mlx import OmniSession
+from omnitide_mlx.models.loading import CheckpointError
 from omnitide_mlx.models.minicpmo.speech import TEXT_CHUNK, TOKEN2WAV_DIR
 from omnitide_mlx.models.minicpmo.tts import TTSSampling
 from omnitide_mlx.models.qwen2_5_omni.speech import SpeechUnavailable
@@ -28,9 +29,9 @@ def _session(path):
     return s
 
 
-def _ask(session, **kw):
+def _ask(session, stop=None, **kw):
     opts = SpeechOptions(seed=0, tts_sampling=TTSSampling(max_new_tokens_per_chunk=60), **kw)
-    return list(session.ask("What is happening?", speak=True, max_tokens=32, speech=opts))
+    return list(session.ask("What is happening?", speak=True, max_tokens=32, speech=opts, stop=stop))
 
 
 def test_spoken_reply_streams_audio_before_the_text_ends(ckpt):
@@ -87,7 +88,7 @@ def test_speaker_may_be_a_voice_file(ckpt, tmp_path):
     assert any(isinstance(i, AudioChunk) and i.pcm.size for i in items)
 
 
-def test_checkpoint_without_token2wav_or_unconverted_is_a_clear_error(ckpt, tmp_path):
+def test_checkpoint_without_token2wav_or_unconverted_is_a_clear_error(ckpt, tmp_path, monkeypatch):
     bare = tmp_path / "bare"
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("assets"))
     with pytest.raises(SpeechUnavailable, match="no token2wav folder"):
@@ -97,8 +98,14 @@ def test_checkpoint_without_token2wav_or_unconverted_is_a_clear_error(ckpt, tmp_
     for f in (pt / TOKEN2WAV_DIR).glob("*.safetensors"):
         if f.name != "voice.safetensors":
             f.unlink()
-    (pt / TOKEN2WAV_DIR / "flow.pt").write_bytes(b"not read")
-    with pytest.raises(SpeechUnavailable, match="omnitide convert --token2wav"):
+    (pt / TOKEN2WAV_DIR / "flow.pt").write_bytes(b"not a torch file")
+    # with torch the .pt is read with the tensors-only loader, which refuses anything else
+    with pytest.raises(CheckpointError, match="flow.pt is not a tensors-only torch state dict"):
+        OmniSession(str(pt)).ask("Hi?", speak=True)
+    from omnitide_mlx.models.stepaudio2 import weights
+
+    monkeypatch.setattr(weights, "torch_available", lambda: False)  # without torch: convert or install torch
+    with pytest.raises(SpeechUnavailable, match="torch is not installed.*omnitide convert --token2wav"):
         OmniSession(str(pt)).ask("Hi?", speak=True)
 
 
@@ -114,3 +121,45 @@ def test_reply_without_text_has_a_text_only_note(ckpt):
     assert "".join(i for i in items if isinstance(i, str)) == ""
     audio = [i for i in items if isinstance(i, AudioChunk)]
     assert len(audio) == 1 and audio[0].final and audio[0].pcm.size == 0 and "text only" in audio[0].note
+
+
+def test_released_106_layout_speaks_and_the_version_can_be_forced(tmp_path):
+    """The released checkpoint's assets/token2wav layout (flow.yaml + flow + original-HiFT hift, no config.yaml)
+    speaks through the 1.0.6 stream; asking for 1.0.7 there fails before the reply (no causal vocoder config)."""
+    from omnitide_mlx.models.minicpmo.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny106", tts=True, seed=3, token2wav_layout="1.0.6")
+    assert not (ckpt / TOKEN2WAV_DIR / "config.yaml").exists()
+    session = _session(ckpt)
+    items = _ask(session)
+    assert speech_for(session).token2wav.version == "1.0.6"
+    audio = [i for i in items if isinstance(i, AudioChunk)]
+    assert audio and audio[-1].final and sum(a.pcm.size for a in audio) > 0
+    assert all(np.isfinite(a.pcm).all() for a in audio)
+    with pytest.raises(CheckpointError, match="config.yaml"):
+        _ask(_session(ckpt), token2wav_version="1.0.7")
+
+
+
+def test_reply_cut_by_the_token_limit_is_flushed_not_ended(ckpt, monkeypatch):
+    """At max_tokens the TTS gets no end-of-text chunk: its buffer is flushed with finish(), as the official
+    streaming_generate does when the LLM runs out of chunks; a reply that stops earlier ends with the text eos."""
+    from omnitide_mlx.models.minicpmo.tts import TTSReply
+
+    calls, voicers = [], []
+    real_feed, real_finish, real_pump = TTSReply.feed, TTSReply.finish, MiniCPMVoicer.pump
+    monkeypatch.setattr(TTSReply, "feed", lambda self, ids, h, last=False: calls.append(("feed", last))
+                        or real_feed(self, ids, h, last))
+    monkeypatch.setattr(TTSReply, "finish", lambda self: calls.append(("finish", None)) or real_finish(self))
+    monkeypatch.setattr(MiniCPMVoicer, "pump", lambda self, *a, **k: voicers.append(self) or real_pump(self, *a, **k))
+    items = _ask(_session(ckpt))  # max_tokens=32
+    assert len(voicers[-1].ids) == 32  # the tiny model ran to the limit
+    assert ("feed", True) not in calls and calls[-1] == ("finish", None)
+    assert [i for i in items if isinstance(i, AudioChunk)][-1].final
+    calls.clear()
+    text = "".join(_session(ckpt).ask("What is happening?", max_tokens=32))
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    assert text.find(stop) > 0 and text[:text.find(stop)].strip()
+    _ask(_session(ckpt), stop=[stop])  # greedy text: the same reply, cut by the stop string
+    assert len(voicers[-1].ids) < 32
+    assert calls[-1] == ("feed", True) and ("finish", None) not in calls

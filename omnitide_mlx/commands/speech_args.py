@@ -6,7 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .options import UsageError, check_output_dir
+from .options import UsageError, check_output_dir, non_negative_float, positive_float, positive_int, probability
+
+# --speech-* flag -> SpeechOptions.with_sampling keyword
+SPEECH_SAMPLING_FLAGS = (("--speech-temp", "speech_temp", "temperature"), ("--speech-top-k", "speech_top_k", "top_k"),
+                         ("--speech-top-p", "speech_top_p", "top_p"),
+                         ("--speech-repetition-penalty", "speech_repetition_penalty", "repetition_penalty"))
 
 
 def add_speech_arguments(p) -> None:
@@ -19,14 +24,28 @@ def add_speech_arguments(p) -> None:
     p.add_argument("--audio-out", default=None, metavar="DIR",
                    help="folder for the spoken answers' wav files (default: ./answers)")
     p.add_argument("--play", action="store_true", help="also play the spoken answers (needs sounddevice)")
+    g = p.add_argument_group("speech sampling (separate from the text's --temp / --top-p / --top-k; unset: the "
+                             "model's official defaults, Qwen2.5-Omni talker 0.9 / 40 / 0.8 / 1.05, MiniCPM-o TTS "
+                             "0.8 / 25 / 0.85 / 1.05; --seed seeds the speech too)")
+    g.add_argument("--speech-temp", type=non_negative_float, default=None, metavar="T",
+                   help="temperature of the talker / TTS; 0 takes the arg-max (a greedy talker: the same audio "
+                        "tokens every run)")
+    g.add_argument("--speech-top-k", type=positive_int, default=None, metavar="K", help="top-k of the talker / TTS")
+    g.add_argument("--speech-top-p", type=probability, default=None, metavar="P", help="top-p of the talker / TTS")
+    g.add_argument("--speech-repetition-penalty", type=positive_float, default=None, metavar="R",
+                   help="repetition penalty of the talker / TTS")
 
 
 def check_speech_args(args) -> None:
     if not getattr(args, "speak", False):
-        for flag, value in (("--speaker", args.speaker), ("--audio-out", args.audio_out), ("--play", args.play)):
-            if value not in (None, False):
+        flags = [("--speaker", args.speaker), ("--audio-out", args.audio_out), ("--play", args.play)]
+        flags += [(flag, getattr(args, dest, None)) for flag, dest, _ in SPEECH_SAMPLING_FLAGS]
+        for flag, value in flags:
+            if value is not None and value is not False:
                 raise UsageError(f"{flag} needs --speak")
         return
+    if getattr(args, "speech_top_p", None) == 0:
+        raise UsageError("--speech-top-p must be in (0, 1]")
     if getattr(args, "backend", "mlx") == "torch":
         raise UsageError("--speak runs on the MLX backend only")
     out = check_output_dir("answers" if args.audio_out is None else args.audio_out, "--audio-out")
@@ -52,7 +71,8 @@ class SpokenAnswers:
             print(f"{prog}: --speak: {e}", file=sys.stderr)
             return
         speech.voice(args.speaker)  # ValueError naming the voices there are
-        self.options = SpeechOptions(speaker=args.speaker)
+        self.options = SpeechOptions(speaker=args.speaker).with_sampling(
+            **{key: getattr(args, dest, None) for _, dest, key in SPEECH_SAMPLING_FLAGS})
         self.out = Path(args.audio_out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.play = args.play

@@ -12,7 +12,9 @@ WebSocket protocol (``/v1/sessions/{id}/ws``; JSON text messages, or binary ``[u
    "width", "height"}, "audio": {"format": "pcm_s16le"|"pcm_f32le", "sample_rate": 48000, "channels": 1,
    "data": b64 | "bytes": n}, "text": "..."}        (any of frame / audio / text)
   {"type": "ask", "id": "q1", "question": "...", "max_tokens", "temp", "top_p", "min_p", "top_k", "seed", "stop",
-   "speak": false, "speaker": "Chelsie"}
+   "speak": false, "speaker": "Chelsie", "speech_sampling": {"temperature", "top_k", "top_p", "repetition_penalty",
+   "greedy"}}   (speech_sampling: the talker's / TTS's own settings, each optional, unset = the model's official
+   defaults; temperature 0 = greedy; the text's temp / top_p / top_k do not apply to speech)
   {"type": "cancel"[, "id"]}   {"type": "flush"}   {"type": "stats"}   {"type": "save", "name": "..."}
   {"type": "ping"}
 Server -> client:
@@ -248,8 +250,9 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
                     raise ClientError("bad_request", "speaker picks the voice of a spoken answer: send speak: true "
                                                      "with it")
                 speaker = manager.speaker(speaker)
+                speech_sampling = speech_sampling_from(msg)
                 ms.submit(Job("ask", {"id": msg.get("id"), "question": q, "sampling": sampling, "speak": speak,
-                                      "speaker": speaker})).add_done_callback(
+                                      "speaker": speaker, "speech_sampling": speech_sampling})).add_done_callback(
                     lambda f, r=ref: reply(f, r))
             elif kind == "cancel":
                 ms.cancel_answer(msg.get("id"))
@@ -273,3 +276,31 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
         except Exception as e:  # a bug must not drop the client's socket: say so and go on
             outbox.put_nowait({"type": "error", "code": "internal_error", "message": f"{type(e).__name__}: {e}",
                                **ref})
+
+
+SPEECH_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "greedy")
+
+
+def speech_sampling_from(msg: dict) -> dict:
+    """An ask message's ``speech_sampling`` object -> ``SpeechOptions.with_sampling`` keywords, checked here (a
+    ``bad_request`` naming the field) so that nothing is queued for a bad value."""
+    raw = msg.get("speech_sampling")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ClientError("bad_request", "speech_sampling must be an object with " + ", ".join(SPEECH_SAMPLING_KEYS))
+    unknown = sorted(set(raw) - set(SPEECH_SAMPLING_KEYS))
+    if unknown:
+        raise ClientError("bad_request", f"speech_sampling has unknown fields {unknown} (known: "
+                                         f"{', '.join(SPEECH_SAMPLING_KEYS)})")
+    if raw and not msg.get("speak", False):
+        raise ClientError("bad_request", "speech_sampling needs speak: true")
+    kw = {k: v for k, v in raw.items() if v is not None}
+    try:
+        from ..speech import SpeechOptions
+
+        SpeechOptions().with_sampling(**kw)
+    except ValueError as e:
+        raise ClientError("bad_request", str(e)) from None
+    return kw
+

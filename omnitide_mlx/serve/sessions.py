@@ -261,10 +261,12 @@ class ManagedSession:
 
         try:
             if speak:  # loads the talker and token2wav on first use: a model step's worth of work
+                from ..speech import SpeechOptions
 
+                options = SpeechOptions().with_sampling(**job.args.get("speech_sampling", {}))
                 try:
                     with gate.step():
-                        it = s.ask(job.args["question"], speak=True, speaker=job.args.get("speaker"),
+                        it = s.ask(job.args["question"], speak=True, speaker=job.args.get("speaker"), speech=options,
                                    **job.args["sampling"])
                 except SpeechUnavailable as e:
                     raise ClientError("speech_unavailable", f"this model cannot speak: {e}") from None

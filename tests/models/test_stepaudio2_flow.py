@@ -179,9 +179,14 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
         flow_from_weights(load_flow_config(DATA), w)
 
 
-def test_folder_without_safetensors_points_at_the_converter(tmp_path):
+def test_folder_without_safetensors_points_at_the_converter(tmp_path, monkeypatch):
+    from omnitide_mlx.models.stepaudio2 import weights
+
     (tmp_path / "flow.yaml").write_text((DATA / "flow.yaml").read_text())
+    with pytest.raises(CheckpointError, match="neither flow.safetensors nor flow.pt"):
+        load_flow(tmp_path)
     (tmp_path / "flow.pt").write_bytes(b"not opened")
+    monkeypatch.setattr(weights, "torch_available", lambda: False)
     with pytest.raises(CheckpointError, match="omnitide convert --token2wav"):
         load_flow(tmp_path)
 

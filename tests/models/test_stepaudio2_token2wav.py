@@ -130,12 +130,12 @@ def test_stream_errors(t2w, voice, folder, tmp_path):
     for name in ("flow.yaml", "flow.safetensors", "voice.safetensors"):
         (tmp_path / name).write_bytes((folder / name).read_bytes())
     (tmp_path / "config.yaml").write_text((folder / "config.yaml").read_text())
-    (tmp_path / "hift.pt").write_bytes(b"never opened")
+    (tmp_path / "hift.pt").write_bytes(b"not a torch file")  # read with torch's tensors-only loader: refused
     with pytest.raises(CheckpointError, match="hift"):
         Token2Wav.load(tmp_path)
     (tmp_path / "hift.safetensors").write_bytes((folder / "hift.safetensors").read_bytes())
-    (tmp_path / "hift_original.pt").write_bytes(b"never opened")
-    with pytest.raises(CheckpointError, match="convert hift_original.pt"):
+    (tmp_path / "hift_original.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="hift_original.pt"):
         Token2Wav.load(tmp_path)
     with pytest.raises(CheckpointError, match="lacks"):
         from safetensors.numpy import save_file

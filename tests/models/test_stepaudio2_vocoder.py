@@ -152,8 +152,8 @@ def test_loader_errors(tmp_path, tiny_dir):
     with pytest.raises(CheckpointError, match="missing .*config.yaml"):
         load_causal_vocoder(tmp_path)
     folder = tiny_vocoder.write_tiny_vocoder(tmp_path / "v")
-    (folder / "hift.safetensors").rename(folder / "hift.pt")
-    with pytest.raises(CheckpointError, match="missing .*hift.safetensors .convert hift.pt"):
+    (folder / "hift.safetensors").rename(folder / "hift.pt")  # a safetensors file under the .pt name
+    with pytest.raises(CheckpointError, match="hift.pt is not a tensors-only torch state dict"):
         load_causal_vocoder(folder)
     state = tiny_vocoder.random_state()
     del state["conv_post.bias"]
@@ -266,8 +266,10 @@ def test_original_draws_fresh_noise_and_checks_input(original):
 def test_original_loader_errors(tmp_path):
     from omnitide_mlx.models.stepaudio2.vocoder import load_original_vocoder
 
+    with pytest.raises(CheckpointError, match="neither hift_original.safetensors nor hift_original.pt"):
+        load_original_vocoder(tmp_path)
     (tmp_path / "hift_original.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="convert hift_original.pt"):
+    with pytest.raises(CheckpointError, match="hift_original.pt is not a tensors-only"):
         load_original_vocoder(tmp_path)
     from safetensors.numpy import save_file
 

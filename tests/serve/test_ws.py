@@ -260,6 +260,14 @@ def test_speak_on_a_model_without_a_talker_is_a_clear_error(server, http):
     assert err["type"] == "error" and err["code"] == "speech_unavailable" and err["id"] == "s1"
     c.send({"type": "ask", "id": "s2", "question": "Say hi.", "speak": "yes"})
     assert c.until(lambda m: m["type"] == "error")[-1]["code"] == "bad_request"
+    for bad, says in (({"top_p": 0}, "top_p must be in (0, 1]"), ({"temp": 1}, "unknown fields ['temp']"),
+                      ([0.5], "must be an object")):
+        c.send({"type": "ask", "id": "s3", "question": "Say hi.", "speak": True, "speech_sampling": bad})
+        err = c.until(lambda m: m["type"] == "error")[-1]
+        assert err["code"] == "bad_request" and says in err["message"], err
+    c.send({"type": "ask", "id": "s4", "question": "Say hi.", "speech_sampling": {"temperature": 0}})
+    err = c.until(lambda m: m["type"] == "error")[-1]
+    assert err["code"] == "bad_request" and "needs speak" in err["message"]
     c.send({"type": "ask", "id": "t", "question": "Say hi.", "max_tokens": 2})  # the session still answers
     assert c.until(lambda m: m["type"] == "answer_end")[-1]["tokens"] == 2
     c.close()
@@ -300,4 +308,10 @@ def test_spoken_answers_stream_audio_chunks(tmp_path, make_server, data_dir):
     audio = [m for m in msgs if m["type"] == "audio"]
     assert audio and audio[-1]["final"] and audio[-1]["id"] == "w" and not any(a["final"] for a in audio[:-1])
     assert [a["index"] for a in audio] == sorted(a["index"] for a in audio)
+    # the talker's own sampling settings ride on the ask (temperature 0: a greedy talker)
+    c.send({"type": "ask", "id": "g", "question": "Hello?", "max_tokens": 4, "speak": True, "seed": 0,
+            "speech_sampling": {"temperature": 0, "repetition_penalty": 1.1}})
+    msgs = c.until(lambda m: m["type"] in ("answer_end", "error"), timeout=240)
+    assert msgs[-1]["type"] == "answer_end", msgs[-1]
+    assert [m for m in msgs if m["type"] == "audio"][-1]["final"]
     c.close()

@@ -2,8 +2,9 @@
 loaded on demand from the checkpoint folder, so a text-only user pays nothing for them.
 
 The released folder keeps token2wav in ``assets/token2wav/`` (where the official ``init_tts`` looks for it):
-``flow.yaml`` / ``config.yaml`` with ``flow.pt`` / ``hift.pt``, which ``omnitide convert --token2wav DIR`` turns into
-safetensors once (the runtime never unpickles). A voice is a prompt prepared once (``voice.safetensors``: prompt
+``flow.yaml`` with ``flow.pt`` / ``hift.pt`` (the minicpmo-utils 1.0.6 layout the release ships; a 1.0.7 folder adds
+``config.yaml`` and ``hift_original.pt``), read as ``.safetensors`` (``omnitide convert --token2wav DIR``) or as the
+``.pt`` files with torch's tensors-only loader (stepaudio2/weights.py). A voice is a prompt prepared once (``voice.safetensors``: prompt
 speech tokens, the prompt's 24 kHz mel, a CAMPPlus speaker embedding; see ``stepaudio2/token2wav.py`` for why it is
 not computed from a wav here). ``speaker`` names one: ``None`` or ``"default"`` -> ``voice.safetensors``, ``NAME`` ->
 ``voices/NAME.safetensors``, or a path to a ``.safetensors`` voice file.
@@ -65,8 +66,9 @@ class MiniCPMSpeech:
         return self._voices[name]
 
 
-def load_minicpm_speech(model, checkpoint: str | Path | None) -> MiniCPMSpeech:
-    """``model``'s TTS and the checkpoint's ``assets/token2wav``; ``SpeechUnavailable`` saying what is missing."""
+def load_minicpm_speech(model, checkpoint: str | Path | None, token2wav_version: str | None = None) -> MiniCPMSpeech:
+    """``model``'s TTS and the checkpoint's ``assets/token2wav``; ``SpeechUnavailable`` saying what is missing.
+    ``token2wav_version`` ("1.0.6" / "1.0.7", None: detected from the files) picks how token2wav runs."""
     tts = model.require_tts()
     if checkpoint is None:
         raise SpeechUnavailable("the model was not loaded from a checkpoint folder: no token2wav to speak with")
@@ -74,7 +76,10 @@ def load_minicpm_speech(model, checkpoint: str | Path | None) -> MiniCPMSpeech:
     if not folder.is_dir():
         raise SpeechUnavailable(f"the checkpoint has a TTS but no token2wav folder ({folder}): "
                                 "text only (MiniCPM-o ships it as assets/token2wav)")
-    if not (folder / "flow.safetensors").is_file() and (folder / "flow.pt").is_file():
-        raise SpeechUnavailable(f"{folder} holds flow.pt / hift.pt only: convert them once with "
-                                f"`omnitide convert --token2wav {folder}` (the runtime reads safetensors only)")
-    return MiniCPMSpeech(tts, Token2Wav.load(folder), folder)
+    from ..stepaudio2.weights import torch_available
+
+    if not (folder / "flow.safetensors").is_file() and (folder / "flow.pt").is_file() and not torch_available():
+        raise SpeechUnavailable(f"{folder} holds flow.pt / hift.pt only and torch is not installed: install torch "
+                                f"(the .pt files are read with weights_only=True) or convert them once with "
+                                f"`omnitide convert --token2wav {folder}` where torch is")
+    return MiniCPMSpeech(tts, Token2Wav.load(folder, version=token2wav_version), folder)

@@ -157,8 +157,12 @@ def bias_for_duplex(weights: dict[str, np.ndarray], listen: float = 7.0, turn_eo
 
 
 def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Path | None = None,
-                         tts: bool = False, duplex_bias: bool = False, **config_overrides) -> Path:
+                         tts: bool = False, duplex_bias: bool = False, token2wav_layout: str = "1.0.7",
+                         **config_overrides) -> Path:
     """Write a tiny random MiniCPM-o 4.5 checkpoint folder at ``dst`` (created); returns its path.
+
+    ``tts``: with the TTS and an ``assets/token2wav`` folder in the ``token2wav_layout`` ("1.0.7": causal vocoder +
+    ``config.yaml``; "1.0.6": the original HiFT, as the released checkpoint ships it).
 
     ``config_overrides`` replace top-level config.json fields (dicts are merged), e.g. ``vocab_size=512`` for a
     model without the tokenizer's vocabulary or ``vision_config={"num_hidden_layers": 3}``. ``duplex_bias``: random
@@ -194,5 +198,5 @@ def make_tiny_checkpoint(dst: str | Path, seed: int = 0, tokenizer_dir: str | Pa
         from ..stepaudio2.tiny import write_tiny_token2wav
         from .speech import TOKEN2WAV_DIR
 
-        write_tiny_token2wav(dst / TOKEN2WAV_DIR, seed=seed + 11)
+        write_tiny_token2wav(dst / TOKEN2WAV_DIR, seed=seed + 11, layout=token2wav_layout)
     return dst

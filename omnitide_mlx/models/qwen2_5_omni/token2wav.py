@@ -452,10 +452,56 @@ class AntiAliasedSnake(nn.Module):
         return acc
 
     def __call__(self, x):
+        if x.dtype == mx.float32 and self.alpha.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            return self._cpu(x)
         x = self._upsample(x)
         a, b = mx.exp(self.alpha), mx.exp(self.beta)
         x = x + (1.0 / (b + 1e-9)) * mx.sin(x * a) ** 2
         return self._downsample(x)
+
+    def _cpu(self, x):
+        """The same three steps in NumPy, for MLX's CPU backend only (the Metal path above stays plain MLX): MLX's
+        CPU ``sin`` goes element by element (7x NumPy's SIMD loop, stepaudio2/cpu_math.py) and every shifted
+        multiply-add of the resamplers is a separate pass with its own buffer; here each is an in-place NumPy loop.
+        Measured on BigVGAN at the released width, 1 s of audio, 2 shared cores: the activations took 11.5 s of
+        18.4 s through MLX ops. Equal to the MLX path to float rounding (summation order is the same)."""
+        k, s, f = self.kernel, self.ratio, self._filter
+        a = np.exp(np.asarray(self.alpha, dtype=np.float32))
+        inv_b = np.float32(1.0) / (np.exp(np.asarray(self.beta, dtype=np.float32)) + np.float32(1e-9))
+        xs = np.asarray(x)
+        bsz, t, c = xs.shape
+        pad = k // s - 1
+        pad_left = pad * s + (k - s) // 2
+        xp = np.concatenate([np.repeat(xs[:, :1], pad, axis=1), xs, np.repeat(xs[:, -1:], pad, axis=1)], axis=1)
+        up = np.empty((bsz, t, s, c), np.float32)
+        tmp = np.empty((bsz, t, c), np.float32)
+        for r in range(s):
+            acc = up[:, :, r]
+            first = True
+            for kk in range((r + pad_left) % s, k, s):
+                off = (r + pad_left - kk) // s
+                if first:
+                    np.multiply(xp[:, off:off + t], np.float32(s * f[kk]), out=acc)
+                    first = False
+                else:
+                    np.multiply(xp[:, off:off + t], np.float32(s * f[kk]), out=tmp)
+                    acc += tmp
+        up = up.reshape(bsz, t * s, c)
+        with np.errstate(all="ignore"):
+            y = np.multiply(up, a)
+            np.sin(y, out=y)
+            y *= y
+            y *= inv_b
+            y += up
+        left, right = k // 2 - int(k % 2 == 0), k // 2
+        yp = np.concatenate([np.repeat(y[:, :1], left, axis=1), y, np.repeat(y[:, -1:], right, axis=1)], axis=1)
+        n = (yp.shape[1] - k) // s + 1
+        out = np.multiply(yp[:, 0:s * (n - 1) + 1:s], np.float32(f[0]))
+        tmp = np.empty_like(out)
+        for kk in range(1, k):
+            np.multiply(yp[:, kk:kk + s * (n - 1) + 1:s], np.float32(f[kk]), out=tmp)
+            out += tmp
+        return mx.array(out)
 
 
 class DilatedConv1d(nn.Module):

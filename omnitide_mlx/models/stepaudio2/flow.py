@@ -704,6 +704,17 @@ def trim_conformer_cache(cache: dict, prompt_frames: int, num_blocks: int, keep:
     return cache
 
 
+
+def trim_packed_conformer_cache(cache: dict, prompt_frames: int, keep: int = HISTORY_FRAMES) -> dict:
+    """minicpmo-utils 1.0.6's conformer trim: past ``prompt_frames + keep`` frames, the first ``prompt_frames`` and
+    the last ``keep`` of the packed cache (axis 3) as they are, for every layer alike (1.0.7 unpacks first:
+    ``trim_conformer_cache``)."""
+    att = cache["conformer_att_cache"]
+    if att.shape[3] > prompt_frames + keep:
+        cache = dict(cache, conformer_att_cache=mx.concatenate([att[:, :, :, :prompt_frames],
+                                                                att[:, :, :, att.shape[3] - keep:]], axis=3))
+    return cache
+
 # ------------------------------------------------------------------------------------------------ weights
 
 _RENAMES = ((".conv.block.1.", ".conv.conv1."), (".conv.block.3.", ".conv.norm."), (".conv.block.6.", ".conv.conv2."))
@@ -741,8 +752,8 @@ def flow_from_weights(cfg: FlowConfig, weights: dict, what: str = "flow weights"
 
 
 def load_flow(folder, noise_seed: int = 0) -> CausalMaskedDiffWithXvec:
-    """The flow of a token2wav folder: ``flow.yaml`` and ``flow.safetensors`` (``omnitide convert --token2wav``
-    writes it from the released ``flow.pt``; pickles are never opened here)."""
+    """The flow of a token2wav folder: ``flow.yaml`` and ``flow.safetensors`` or the released ``flow.pt`` (read
+    with torch, tensors only; see weights.py)."""
     from pathlib import Path
 
     folder = Path(folder)
@@ -750,13 +761,7 @@ def load_flow(folder, noise_seed: int = 0) -> CausalMaskedDiffWithXvec:
     if not cfg_path.is_file():
         raise CheckpointError(f"{folder} has no flow.yaml: not a StepAudio2 token2wav folder")
     cfg = parse_flow_yaml(cfg_path.read_text(encoding="utf-8"))
-    st = folder / "flow.safetensors"
-    if not st.is_file():
-        hint = (" (it has flow.pt: run `omnitide convert --token2wav " f"{folder}` to write flow.safetensors)"
-                if (folder / "flow.pt").is_file() else "")
-        raise CheckpointError(f"{folder} has no flow.safetensors{hint}")
-    try:
-        weights = mx.load(str(st))
-    except Exception as e:
-        raise CheckpointError(f"{st} is not a readable safetensors file ({e})") from None
-    return flow_from_weights(cfg, weights, f"flow weights {st}", noise_seed)
+    from .weights import read_weights, weight_file
+
+    weights = {k: mx.array(v) for k, v in read_weights(folder, "flow").items()}
+    return flow_from_weights(cfg, weights, f"flow weights {weight_file(folder, 'flow')}", noise_seed)

@@ -70,17 +70,56 @@ def tiny_voice(cfg: FlowConfig, seed: int = 1, prompt_tokens: int = 12):
                  rng.standard_normal(cfg.spk_embed_dim).astype(np.float32))
 
 
-def write_tiny_token2wav(folder: str | Path, seed: int = 0, cfg: FlowConfig | None = None) -> Path:
-    """Write a tiny token2wav folder (flow, vocoder, voice); returns it."""
+def random_original_hift_state(seed: int = 0, width: int = 16) -> dict[str, np.ndarray]:
+    """Seeded random weights for the original HiFT (``HiFTGenerator(base_channels=width, f0_predictor=
+    ConvRNNF0Predictor(cond_channels=width))``) under the official ``hift.pt`` names, ``generator.``-prefixed as
+    Token2wav strips them; F0 biased around 60 Hz as in tiny_vocoder.py."""
+    import dataclasses
+
+    from .vocoder import ORIGINAL_HIFT, HiFTGenerator, official_shapes
+
+    args = dataclasses.replace(ORIGINAL_HIFT, base_channels=width,
+                               f0_predictor=dataclasses.replace(ORIGINAL_HIFT.f0_predictor, cond_channels=width))
+    rng = np.random.default_rng(seed)
+    state = {}
+    for key, shape in sorted(official_shapes(HiFTGenerator(args)).items()):
+        if key.endswith("original0"):
+            a = rng.uniform(0.5, 1.2, shape)
+        elif key.endswith("alpha"):
+            a = rng.uniform(0.5, 1.5, shape)
+        elif key == "m_source.l_linear.weight":
+            a = rng.normal(0.0, 0.5, shape)
+        elif key == "f0_predictor.classifier.weight":
+            a = rng.normal(0.0, 240.0 / np.sqrt(shape[1]), shape)
+        elif key == "f0_predictor.classifier.bias":
+            a = np.full(shape, 60.0)
+        elif key.endswith("bias"):
+            a = rng.normal(0.0, 0.1, shape)
+        else:
+            a = rng.normal(0.0, 1.0 / np.sqrt(np.prod(shape[1:])), shape)
+        state["generator." + key] = np.ascontiguousarray(a, dtype=np.float32)
+    return state
+
+
+def write_tiny_token2wav(folder: str | Path, seed: int = 0, cfg: FlowConfig | None = None,
+                         layout: str = "1.0.7") -> Path:
+    """Write a tiny token2wav folder (flow, vocoder, voice); returns it. ``layout`` "1.0.7": the causal vocoder
+    (``config.yaml`` + ``hift``); "1.0.6" (the released MiniCPM-o 4.5's): ``hift`` is the original HiFT, no
+    ``config.yaml``."""
     from safetensors.numpy import save_file
 
     from .tiny_vocoder import write_tiny_vocoder
 
+    if layout not in ("1.0.6", "1.0.7"):
+        raise ValueError(f"layout must be '1.0.6' or '1.0.7', got {layout!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = cfg or tiny_flow_config()
     (folder / "flow.yaml").write_text(flow_yaml_text(cfg), encoding="utf-8")
     save_file(random_flow_state(cfg, seed), str(folder / "flow.safetensors"))
-    write_tiny_vocoder(folder, seed)
+    if layout == "1.0.7":
+        write_tiny_vocoder(folder, seed)
+    else:
+        save_file(random_original_hift_state(seed), str(folder / "hift.safetensors"))
     tiny_voice(cfg, seed + 1).save(folder / "voice.safetensors")
     return folder

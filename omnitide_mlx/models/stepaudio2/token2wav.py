@@ -1,20 +1,31 @@
 """``Token2Wav``: StepAudio2 speech tokens (25/s) -> 24 kHz float32 audio in MLX, whole utterances or streamed.
 
-The official ``stepaudio2.Token2wav`` (minicpmo-utils 1.0.7) holds the flow (``flow.yaml`` / ``flow.pt``) and the
-causal CosyVoice3 vocoder (``config.yaml`` / ``hift.pt``); this one loads the same folder after
-``omnitide convert --token2wav DIR`` has written ``flow.safetensors`` and ``hift.safetensors``.
+Two official versions of ``stepaudio2.Token2wav`` (PyPI ``minicpmo-utils``) read two folder layouts, and this one
+runs each folder the way its own version does (``version``: detected from the files, or given):
 
-Streaming follows the official rules:
+- **1.0.6** (``flow.yaml`` + ``flow`` + ``hift``; no ``config.yaml``): ``hift`` is the original non-causal HiFT.
+  A stream is primed with the voice's prompt tokens plus three 4218 (silence) tokens; each chunk's mel is vocoded
+  with the last 8 mel frames of the previous one and cross-faded over 3840 samples (``OverlapVocoder``); the
+  conformer cache is trimmed packed (``trim_packed_conformer_cache``).
+- **1.0.7** (``config.yaml`` + ``hift`` causal CosyVoice3 HiFT, ``hift_original`` for whole utterances): a stream is
+  primed with the prompt tokens plus their first three; chunks go through the causal ``BoundedVocoder``; the
+  conformer cache is unpacked, trimmed per rate and repacked (``trim_conformer_cache``).
 
-- ``start_stream(voice)`` (``set_stream_cache``) primes the flow with the voice's prompt tokens plus their first
-  three as fake lookahead, and resets the vocoder;
+The released ``openbmb/MiniCPM-o-4_5`` ships ``assets/token2wav`` with ``flow.yaml``, ``flow.pt`` and ``hift.pt``
+only (the 1.0.6 layout: OpenBMB's own vLLM-Omni MiniCPM-o 4.5 code2wav stage lists exactly those three files and
+loads ``hift.pt`` into the original ``HiFTGenerator`` with ``strict=True``), and the official demo code pins
+``minicpmo-utils`` 1.0.6; so a folder without ``config.yaml`` is read as 1.0.6. Weights: ``NAME.safetensors``, or
+the released ``NAME.pt`` where torch is installed (weights.py; ``torch.load(weights_only=True)`` only).
+
+Streaming rules shared by both versions (``Token2wav.stream``):
+
+- ``start_stream(voice)`` (``set_stream_cache``) primes the flow and resets the vocoder;
 - ``push(tokens)`` takes the fresh tokens *followed by* ``pre_lookahead_len`` (3) lookahead tokens, which the next
-  push sends again at its start (the official example: windows of 28 tokens every 25); a non-final push needs more
-  than 3 tokens; after each chunk both attention caches are trimmed to the prompt plus 100 frames;
+  push sends again at its start (windows of 28 tokens every 25); a non-final push needs more than 3 tokens; after
+  each chunk both attention caches are trimmed to the prompt plus 100 frames;
 - ``push(tokens, last=True)`` sends the rest (no lookahead; the encoder pads it) and flushes the vocoder, an empty
   final push only flushes;
-- the first push that yields audio, unless it is the final one, is preceded by the vocoder's delay in silence
-  (8 frames = 3840 samples), as the official ``_stream_vocode`` does.
+- the first push that yields audio, unless it is the final one, is preceded by 3840 samples (8 frames) of silence.
 
 Audio comes back as float32 NumPy, unclipped (the official ``return_waveform=True``; its default clips and packs
 int16). ``token2wav.set_stream_cache(voice)`` / ``token2wav.stream(tokens, last_chunk=...)`` mirror the official
@@ -26,10 +37,9 @@ Computing them from a wav needs the S3 speech tokenizer (``speech_tokenizer_v2_2
 (``campplus.onnx``), neither of which is ported: out of scope here, so a voice is prepared once with the official
 code and saved.
 
-Offline ``__call__`` runs the flow on the whole utterance and, as the official one does, the original non-causal
-HiFT (``hift_original.safetensors``, converted from ``hift_original.pt``) on all of its mel. A folder without that
-file (the tiny test folder) vocodes offline with the causal generator in one pass instead; ``offline_vocoder``
-says which ("original" or "causal"). A folder with only ``hift_original.pt`` is an error pointing at the converter.
+Offline ``__call__`` runs the flow on the whole utterance and the original HiFT on all of its mel, as both versions
+do. A 1.0.7 folder without ``hift_original`` (the tiny test folder) vocodes offline with the causal generator in one
+pass instead; ``offline_vocoder`` says which ("original" or "causal").
 """
 
 from __future__ import annotations
@@ -41,11 +51,24 @@ import mlx.core as mx
 import numpy as np
 
 from ..loading import CheckpointError
-from .flow import CausalMaskedDiffWithXvec, load_flow, trim_conformer_cache, trim_estimator_cache
+from .flow import (
+    CausalMaskedDiffWithXvec, load_flow, trim_conformer_cache, trim_estimator_cache, trim_packed_conformer_cache,
+)
 
 SAMPLE_RATE = 24000
 HOP_SAMPLES = 480
 VOICE_KEYS = ("prompt_tokens", "prompt_mel", "speaker_embedding")
+VERSIONS = ("1.0.6", "1.0.7")
+SILENCE_TOKEN = 4218  # the s3tokenizer silence token 1.0.6 primes a stream with (three of them)
+
+
+def detect_version(folder: str | Path) -> str:
+    """The minicpmo-utils version a token2wav folder is laid out for: ``config.yaml`` (the causal vocoder's config)
+    means 1.0.7, a folder with ``flow.yaml`` and without it 1.0.6."""
+    folder = Path(folder)
+    if not (folder / "flow.yaml").is_file():
+        raise CheckpointError(f"{folder} has no flow.yaml: not a StepAudio2 token2wav folder")
+    return "1.0.7" if (folder / "config.yaml").is_file() else "1.0.6"
 
 
 @dataclass
@@ -110,18 +133,25 @@ class Token2WavStream:
     """One streamed utterance: ``push(tokens, last=False) -> float32 samples``. Made by ``Token2Wav.start_stream``."""
 
     def __init__(self, owner: "Token2Wav", voice: Voice):
-        from .vocoder import BoundedVocoder
+        from .vocoder import BoundedVocoder, OverlapVocoder
 
         self.owner = owner
         flow = owner.flow
         self.prompt_tokens, self.prompt_mel, self.spk = _prompt(flow, voice)
         lookahead = flow.pre_lookahead_len
-        fake = mx.concatenate([self.prompt_tokens, self.prompt_tokens[:, :lookahead]], axis=1)
-        if fake.shape[1] - lookahead != self.prompt_tokens.shape[1]:
-            raise ValueError(f"the voice has {self.prompt_tokens.shape[1]} prompt tokens; the official setup appends "
-                             f"its first {lookahead} as lookahead, so it needs at least {lookahead}")
+        if owner.version == "1.0.6":
+            if SILENCE_TOKEN >= flow.cfg.vocab_size:
+                raise ValueError(f"1.0.6 primes a stream with {lookahead} silence tokens ({SILENCE_TOKEN}); this "
+                                 f"flow's vocabulary has {flow.cfg.vocab_size} tokens")
+            fake = mx.concatenate([self.prompt_tokens, mx.full((1, lookahead), SILENCE_TOKEN, mx.int32)], axis=1)
+            self.vocoder = OverlapVocoder(owner.vocoder)
+        else:
+            fake = mx.concatenate([self.prompt_tokens, self.prompt_tokens[:, :lookahead]], axis=1)
+            if fake.shape[1] - lookahead != self.prompt_tokens.shape[1]:
+                raise ValueError(f"the voice has {self.prompt_tokens.shape[1]} prompt tokens; the official setup "
+                                 f"appends its first {lookahead} as lookahead, so it needs at least {lookahead}")
+            self.vocoder = BoundedVocoder(owner.vocoder)
         self.cache = flow.setup_cache(fake, self.prompt_mel, self.spk, owner.n_timesteps)
-        self.vocoder = BoundedVocoder(owner.vocoder)
         self.first_chunk = True
         self.finished = False
 
@@ -143,7 +173,10 @@ class Token2WavStream:
             mel, cache = flow.inference_chunk(tokens, self.spk, self.cache, last_chunk=last,
                                               n_timesteps=self.owner.n_timesteps)
             cache = trim_estimator_cache(cache, self.prompt_frames)
-            self.cache = trim_conformer_cache(cache, self.prompt_frames, flow.cfg.encoder.num_blocks)
+            if self.owner.version == "1.0.6":
+                self.cache = trim_packed_conformer_cache(cache, self.prompt_frames)
+            else:
+                self.cache = trim_conformer_cache(cache, self.prompt_frames, flow.cfg.encoder.num_blocks)
         else:
             mel = mx.zeros((1, flow.cfg.output_size, 0))
         speech = self.vocoder.stream(mel, finalize=last)
@@ -151,7 +184,9 @@ class Token2WavStream:
             self.finished = True
         out = np.asarray(speech, dtype=np.float32).reshape(-1)
         if not np.isfinite(out).all():
-            raise RuntimeError("the causal vocoder returned non-finite audio")
+            raise RuntimeError("the vocoder returned non-finite audio")
+        if self.owner.version == "1.0.6":  # OverlapVocoder puts the first chunk's silence in itself
+            return out
         if out.size and self.first_chunk:
             self.first_chunk = False
             if not last:
@@ -165,9 +200,22 @@ class Token2Wav:
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, flow: CausalMaskedDiffWithXvec, vocoder, n_timesteps: int = 10, original_vocoder=None):
+    def __init__(self, flow: CausalMaskedDiffWithXvec, vocoder, n_timesteps: int = 10, original_vocoder=None,
+                 version: str = "1.0.7"):
+        """``vocoder``: the causal CosyVoice3 HiFT (1.0.7) or the original HiFT (1.0.6, which then also vocodes
+        whole utterances)."""
         if int(n_timesteps) < 1:
             raise ValueError("n_timesteps must be positive")
+        if version not in VERSIONS:
+            raise ValueError(f"unknown token2wav version {version!r} (one of {', '.join(VERSIONS)})")
+        from .vocoder import HiFTGenerator
+
+        if (version == "1.0.6") != isinstance(vocoder, HiFTGenerator):
+            raise ValueError(f"token2wav {version} streams through the "
+                             f"{'original' if version == '1.0.6' else 'causal'} HiFT, got {type(vocoder).__name__}")
+        if version == "1.0.6" and original_vocoder is None:
+            original_vocoder = vocoder
+        self.version = version
         hop = vocoder.args.hop
         if flow.cfg.output_size != vocoder.args.in_channels or hop != HOP_SAMPLES:
             raise ValueError(f"the vocoder takes {vocoder.args.in_channels} mel bins at {hop} samples a frame; the "
@@ -181,16 +229,25 @@ class Token2Wav:
         return "causal" if self.original_vocoder is None else "original"
 
     @classmethod
-    def load(cls, folder: str | Path, n_timesteps: int = 10) -> "Token2Wav":
+    def load(cls, folder: str | Path, n_timesteps: int = 10, version: str | None = None) -> "Token2Wav":
+        """``version`` None: detected from the files (``detect_version``). "1.0.6" on a 1.0.7 folder streams
+        through its ``hift_original``; "1.0.7" needs ``config.yaml``."""
         from .vocoder import load_causal_vocoder, load_original_vocoder
+        from .weights import weight_file
 
         folder = Path(folder).expanduser()
         if not folder.is_dir():
             raise CheckpointError(f"no token2wav folder at {folder}")
-        original = None
-        if (folder / "hift_original.safetensors").is_file() or (folder / "hift_original.pt").is_file():
-            original = load_original_vocoder(folder)  # says to convert when only the .pt is there
-        return cls(load_flow(folder), load_causal_vocoder(folder), n_timesteps, original)
+        if version is not None and version not in VERSIONS:
+            raise ValueError(f"unknown token2wav version {version!r} (one of {', '.join(VERSIONS)})")
+        version = version or detect_version(folder)
+        flow = load_flow(folder)
+        has_original = weight_file(folder, "hift_original") is not None
+        if version == "1.0.6":
+            hift = load_original_vocoder(folder, stem="hift_original" if has_original else "hift")
+            return cls(flow, hift, n_timesteps, version="1.0.6")
+        original = load_original_vocoder(folder) if has_original else None
+        return cls(flow, load_causal_vocoder(folder), n_timesteps, original, version="1.0.7")
 
     def start_stream(self, voice: Voice) -> Token2WavStream:
         return Token2WavStream(self, voice)

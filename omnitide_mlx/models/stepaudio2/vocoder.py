@@ -821,12 +821,69 @@ class HiFTGenerator(_ISTFTNet, nn.Module):
         speech = self._istft(cpu_math.exp(x[..., :half]), cpu_math.sin(x[..., half:]))
         return mx.clip(speech, -a.audio_limit, a.audio_limit)
 
-    def __call__(self, mel, noise=None) -> tuple[mx.array, mx.array]:
-        """The official ``HiFTGenerator.forward``: mel [1, C, T] -> (speech [1, T * hop], source [1, 1, T * hop])."""
+    def __call__(self, mel, noise=None, cache_source=None) -> tuple[mx.array, mx.array]:
+        """The official ``HiFTGenerator.forward``: mel [1, C, T] -> (speech [1, T * hop], source [1, 1, T * hop]).
+        ``cache_source`` [1, 1, n] replaces the first n source samples (the 1.0.6 stream's glitch guard)."""
         x = _check_mel(mel, self.args.in_channels)
         f0 = self.f0_predictor(x)
         source = self.source(f0, noise)
+        if cache_source is not None and cache_source.shape[-1]:
+            n = min(cache_source.shape[-1], source.shape[1])
+            source = mx.concatenate([cache_source.reshape(1, -1)[:, :n].astype(source.dtype), source[:, n:]], axis=1)
         return self.decode(x, source), source[:, None, :]
+
+
+class OverlapVocoder:
+    """The vocoder half of minicpmo-utils 1.0.6's ``Token2wav.stream``: the original HiFT run on the last 8 mel
+    frames of the previous call plus the new chunk's mel, the previous call's last 3840 source samples pinned over
+    the new source's first ones, and the first 3840 samples cross-faded (Hamming window of 7680) with the previous
+    call's last 3840 samples. A non-final call holds its last 3840 samples back for that fade; the first non-final
+    call puts 3840 samples of silence in front instead. ``noise(shape)`` (None: ``mx.random``) supplies the source's
+    Gaussian noise per call, for tests against recorded draws.
+
+    An empty final call (which the official code would hand to the flow as an empty chunk and fail on) returns the
+    held-back samples as they are."""
+
+    mel_cache_frames = 8
+
+    def __init__(self, model: HiFTGenerator, noise=None):
+        self.model, self.noise, self.hop = model, noise, model.args.hop
+        self.cache_samples = self.mel_cache_frames * self.hop
+        self.delay = self.mel_cache_frames  # frames of silence in front of the first chunk, as BoundedVocoder's
+        window = np.hamming(2 * self.cache_samples)  # float64, as the official torch.from_numpy(np.hamming(...))
+        self._fade_in = mx.array(window[:self.cache_samples].astype(np.float32))
+        self._fade_out = mx.array(window[self.cache_samples:].astype(np.float32))
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = {"mel": mx.zeros((1, self.model.args.in_channels, 0)), "source": mx.zeros((1, 1, 0)),
+                      "speech": mx.zeros((1, 0))}
+
+    def stream(self, mel, finalize: bool = False) -> mx.array:
+        """Fresh mel [1, C, frames] -> the samples that are final now, [1, N]."""
+        c = self.cache
+        if mel.shape[2] == 0:
+            if not finalize:
+                return mx.zeros((1, 0))
+            out, c["speech"] = c["speech"], mx.zeros((1, 0))
+            return out
+        full = mx.concatenate([c["mel"], mel.astype(mx.float32)], axis=2)
+        samples = full.shape[2] * self.hop
+        noise = None if self.noise is None else self.noise((1, samples, self.model.args.nb_harmonics + 1))
+        speech, source = self.model(full, noise=noise, cache_source=c["source"])
+        first = c["speech"].shape[1] == 0
+        if not first:
+            n = self.cache_samples
+            head = speech[:, :n] * self._fade_in + c["speech"][:, -n:] * self._fade_out
+            speech = mx.concatenate([head, speech[:, n:]], axis=1)
+        self.cache = {"mel": full[:, :, -self.mel_cache_frames:], "source": source[:, :, -self.cache_samples:],
+                      "speech": speech[:, -self.cache_samples:]}
+        if not finalize:
+            speech = speech[:, :-self.cache_samples]
+            if first:
+                speech = mx.concatenate([mx.zeros((1, self.cache_samples)), speech], axis=1)
+        mx.eval(speech, *self.cache.values())
+        return speech
 
 
 # ---------------------------------------------------------------------------------------------- streaming wrapper
@@ -1057,16 +1114,16 @@ def load_causal_weights(model: CausalHiFTGenerator, state: dict) -> CausalHiFTGe
 
 
 def load_causal_vocoder(folder: str | Path, noise: NoiseTable | None = None) -> CausalHiFTGenerator:
-    """The streaming vocoder from a Token2wav folder: ``config.yaml`` (its ``hift`` and ``feat_extractor``
-    sections) and ``hift.safetensors`` (the official ``hift.pt`` state dict, converted). Makes Token2wav's checks:
+    """The streaming vocoder of a 1.0.7 Token2wav folder: ``config.yaml`` (its ``hift`` and ``feat_extractor``
+    sections) and ``hift.safetensors`` (or ``hift.pt`` read with torch, see weights.py). Makes Token2wav's checks:
     24 kHz, 480 samples per mel frame, the 8-frame causal delay."""
+    from .weights import read_weights
+
     folder = Path(folder)
-    cfg, weights = folder / "config.yaml", folder / "hift.safetensors"
-    for p in (cfg, weights):
-        if not p.is_file():
-            hint = " (convert hift.pt to safetensors first; pickle files are not opened)" \
-                if p == weights and (folder / "hift.pt").is_file() else ""
-            raise CheckpointError(f"missing {p}{hint}")
+    cfg = folder / "config.yaml"
+    if not cfg.is_file():
+        raise CheckpointError(f"missing {cfg} (the causal vocoder of minicpmo-utils 1.0.7 is configured there; a "
+                              "1.0.6 folder has flow.yaml only and runs the original HiFT)")
     args = causal_args_from_config(cfg)
     if args.sampling_rate != 24000 or args.hop != 480:
         raise CheckpointError(f"{cfg}: the streaming vocoder needs 24 kHz audio and 480 samples per mel frame, "
@@ -1075,11 +1132,7 @@ def load_causal_vocoder(folder: str | Path, noise: NoiseTable | None = None) -> 
     delay = model.f0_predictor.right + args.conv_pre_look_right + 1
     if delay != 8:
         raise CheckpointError(f"{cfg}: Token2wav needs the validated 8-frame causal delay, the config gives {delay}")
-    try:
-        state = mx.load(str(weights))
-    except Exception as e:
-        raise CheckpointError(f"{weights} is not a readable safetensors file ({e})") from None
-    return load_causal_weights(model, _to_numpy(state))
+    return load_causal_weights(model, read_weights(folder, "hift"))
 
 
 def _to_numpy(state: dict) -> dict[str, np.ndarray]:
@@ -1087,21 +1140,36 @@ def _to_numpy(state: dict) -> dict[str, np.ndarray]:
     return {k: np.array(v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v) for k, v in state.items()}
 
 
-def load_original_vocoder(folder: str | Path, args: HiFTArgs = ORIGINAL_HIFT) -> HiFTGenerator:
-    """The whole-utterance vocoder from ``hift_original.safetensors`` (the converted ``hift_original.pt``; a
-    ``generator.`` key prefix is dropped, as Token2wav does). Token2wav builds it with ``HiFTGenerator()``'s
-    defaults, which ``ORIGINAL_HIFT`` holds."""
-    path = Path(folder) / "hift_original.safetensors"
-    if not path.is_file():
-        pt = (Path(folder) / "hift_original.pt").is_file()
-        hint = " (convert hift_original.pt to safetensors first)" if pt else ""
-        raise CheckpointError(f"missing {path}{hint}")
-    try:
-        state = mx.load(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
-    state = {k.removeprefix("generator."): v for k, v in _to_numpy(state).items()}
-    model = HiFTGenerator(args)
+def original_args_for(state: dict, args: HiFTArgs = ORIGINAL_HIFT) -> HiFTArgs:
+    """``args`` with the widths a state dict holds (``conv_pre`` outputs = base_channels, the F0 predictor's first
+    conv outputs = cond_channels): the official ``HiFTGenerator()`` defaults for the release, smaller for tiny
+    checkpoints in the same layout. Any other difference is left for the strict key check to name."""
+    import dataclasses
+
+    def out_channels(prefix):
+        for suffix in (".parametrizations.weight.original1", ".weight_v", ".weight"):
+            if prefix + suffix in state:
+                return int(np.asarray(state[prefix + suffix]).shape[0])
+        return None
+
+    base, cond = out_channels("conv_pre"), out_channels("f0_predictor.condnet.0")
+    if base is not None:
+        args = dataclasses.replace(args, base_channels=base)
+    if cond is not None:
+        args = dataclasses.replace(args, f0_predictor=dataclasses.replace(args.f0_predictor, cond_channels=cond))
+    return args
+
+
+def load_original_vocoder(folder: str | Path, args: HiFTArgs | None = None, stem: str = "hift_original") \
+        -> HiFTGenerator:
+    """The original HiFT of a Token2wav folder: ``hift_original`` (1.0.7, whole utterances) or ``hift`` (1.0.6, also
+    streaming), ``.safetensors`` or ``.pt`` (weights.py); a ``generator.`` key prefix is dropped, as Token2wav does.
+    Token2wav builds it with ``HiFTGenerator()``'s defaults (``ORIGINAL_HIFT``); ``args`` None takes those with
+    the widths of the weights (``original_args_for``)."""
+    from .weights import read_weights
+
+    state = {k.removeprefix("generator."): v for k, v in read_weights(folder, stem).items()}
+    model = HiFTGenerator(original_args_for(state) if args is None else args)
     model.load_weights(list(official_to_mlx(model, state).items()), strict=True)
     mx.eval(model.parameters())
     return model
