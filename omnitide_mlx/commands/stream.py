@@ -35,6 +35,7 @@ examples:
 
 
 from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args  # noqa: E402
+from .voice import VoiceTurns, add_voice_arguments, check_voice_args  # noqa: E402
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write answers and per-update KV figures as JSON")
     p.add_argument("--save-session", default=None, metavar="DIR", help="save the session state at the end")
     add_speech_arguments(p)
+    add_voice_arguments(p)
     add_progress_argument(p, legacy_quiet=True)
 
 
@@ -76,6 +78,8 @@ def check_args(args) -> None:
     kv_kwargs(args)
     if hasattr(args, "speak"):
         check_speech_args(args)
+    if hasattr(args, "voice"):
+        check_voice_args(args)
 
 
 def check_model(args) -> None:
@@ -307,6 +311,8 @@ def run(args) -> int:
         check_kv_budget(args, media, asks=bool(questions))  # from the checkpoint's files, before it loads
         session = session_from_args(args, on_update=on_update)
         speaker = SpokenAnswers(session, args, "omnitide stream")
+        voice = (VoiceTurns(session, args, "omnitide stream", speaker.options if speaker.enabled else None,
+                            args.audio_out) if getattr(args, "voice", False) else None)
     except UsageError as e:
         print(f"omnitide stream: {e}", file=sys.stderr)
         return 2
@@ -331,6 +337,9 @@ def run(args) -> int:
         while pending and pending[0][0] <= now:
             t, q = pending.pop(0)
             progress.clear()
+            if voice is not None:  # a typed question beside the spoken ones: a turn of the conversation
+                voice.ask(t, q)
+                continue
             print(f"\n[{t:g}s] Q: {q}", flush=True)
             pieces = iter(speaker.ask(q, label=f"{t:g}s", **sampling_kwargs(args)))
             first = next(pieces, "")  # the question's update (and its --stats line) happens here, before "A:"
@@ -352,7 +361,7 @@ def run(args) -> int:
             if args.realtime:
                 time.sleep(max(0.0, wall0 + chunk.t - time.perf_counter()))
             try:
-                session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                (voice.push if voice is not None else session.push)(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
                 streamed += 1
                 tally.add(chunk, media)
             except MediaError as e:  # a bad chunk is skipped, the stream goes on
@@ -361,6 +370,8 @@ def run(args) -> int:
             progress.update(1)
             ask_due(chunk.t + 1.0)
         ask_due(float("inf"))
+        if voice is not None:
+            voice.finish()  # an utterance still open at the end of the file is answered
     except MediaError as e:  # the file broke mid-way: keep what was streamed and answered
         error = e
     finally:
@@ -385,6 +396,7 @@ def run(args) -> int:
             for a, f in zip(answers, speaker.files):
                 a["speech"] = f
         out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
+               **({"turns": voice.turns_json()} if voice is not None else {}),
                "media": {"units": streamed, **done, "skipped": tally.skipped_json()}}
         try:
             write_json_atomic(Path(args.json).expanduser(), out)
