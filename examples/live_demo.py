@@ -19,7 +19,8 @@ speaking while it answers interrupts it; typed questions still work. Use headpho
 (docs/usage.md, "Spoken turns").
 
     python examples/live_demo.py --model M --voice --speak                         # talk to it
-    python examples/live_demo.py --model M --voice --source clip.mp4 --no-realtime  # headless: prints each turn
+    python examples/live_demo.py --model M --voice --source assets/media/video_10s_av.mp4 \\
+        --source-audio assets/media/spoken_questions_10s.flac --no-realtime          # headless: prints each turn
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def capture_loop(session, args, stop: threading.Event, clock: dict) -> None:
     try:
         if args.source:
             start = time.monotonic()
-            for chunk in MediaStream(args.source, seconds=args.seconds):
+            for chunk in MediaStream(args.source, args.source_audio, seconds=args.seconds):
                 if stop.is_set():
                     break
                 time.sleep(max(0.0, start + chunk.t - time.monotonic()) if args.realtime else 0.0)
@@ -145,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local model folder or Hugging Face id")
     p.add_argument("--source", default=None, help="a video file instead of the camera and microphone")
+    p.add_argument("--source-audio", default=None, metavar="FILE",
+                   help="a soundtrack for --source instead of its own (e.g. spoken questions; wav, flac, mp3, ...)")
     p.add_argument("--camera", type=int, default=0)
     p.add_argument("--no-mic", action="store_true", help="camera only")
     p.add_argument("--seconds", type=positive_float, default=None, help="stop after this many seconds of input")
@@ -277,12 +280,14 @@ def main(argv=None) -> int:
         media = media_setting(args)
         if args.voice and args.no_mic and args.source is None:
             raise UsageError("--voice needs the microphone (or --source with a soundtrack): drop --no-mic")
+        if args.source_audio is not None and args.source is None:
+            raise UsageError("--source-audio needs --source")
         if args.hangover is not None and not args.voice:
             raise UsageError("--hangover needs --voice")
         if args.source is not None:
             from omnitide_mlx.media import MediaStream
 
-            MediaStream(args.source, seconds=args.seconds)  # the file opens and decodes
+            MediaStream(args.source, args.source_audio, seconds=args.seconds)  # the files open and decode
     except (UsageError, MediaError) as e:
         print(f"live_demo: {e}", file=sys.stderr)
         return 2

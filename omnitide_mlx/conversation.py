@@ -316,7 +316,7 @@ class Conversation:
             t0 = time.perf_counter()
             if turn.source == "voice":
                 with step():
-                    session.flush()  # the utterance's last part second becomes a unit before the question
+                    session.flush(pad_audio=True)  # the utterance's last part second becomes a unit first
             t1 = time.perf_counter()
             with step():  # a spoken reply loads the speech models on first use
                 pieces = session.ask(turn.question, **self._speech_kwargs, **self.ask_kwargs)

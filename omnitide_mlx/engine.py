@@ -193,6 +193,7 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
         self._capture_hidden = False  # keep the last forward's hidden states (a reply with on_forward)
         self._hidden = None  # those hidden states
         self._flush_requested = False
+        self._flush_pad = False  # the queued flush pads the buffered audio to a second
         self._inbox_lock = threading.Lock()
         self._inbox: deque[_Pending] = deque()
         self.rejected: deque[str] = deque(maxlen=64)  # errors of queued chunks whose push() had returned
@@ -268,13 +269,16 @@ class StreamingSession(Persistence, Inbox, Retention, Replies):
             raise error
         return records
 
-    def flush(self) -> list[UpdateRecord]:
+    def flush(self, pad_audio: bool = False) -> list[UpdateRecord]:
         """Turn buffered input into units: less than a second of audio (with the oldest waiting frame, if any),
-        then every frame still waiting for its audio (with a second of silence).
+        then every frame still waiting for its audio (with a second of silence). ``pad_audio``: the buffered audio
+        is padded with silence to a whole second (counted as silence), as the end of a spoken turn does: every
+        model takes a whole unit (MiniCPM-o's streaming audio encoder takes nothing shorter).
 
         While a reply is open the flush queues and runs when the reply ends (it returns ``[]`` then)."""
         with self._engine():
             self._flush_requested = True
+            self._flush_pad = self._flush_pad or bool(pad_audio)
             if self._open is not None and not self._open.abandoned:
                 return []
             return self._settle_locked()

@@ -115,23 +115,28 @@ def test_spoken_turns_hold_their_units_through_retention(tiny_checkpoints, tmp_p
 def test_speech_during_a_spoken_reply_interrupts_it_and_keeps_what_was_voiced(speaking_qwen, tmp_path):
     q1, q2 = speak("Tell me a long story about the sea.", tmp_path), speak("Stop, stop.", tmp_path)
     session = OmniSession(str(speaking_qwen), policy="full")
-    conv = Conversation(session, speak=True, max_tokens=40, seed=0)
-    # the first question, then silence until its reply starts
-    first = push_track(conv, track(4.0, [(0.5, q1)]))
+    conv = Conversation(session, speak=True, max_tokens=40, seed=3)  # this seed's tiny talker speaks for 2.8 s
+    # the first question, then silence until its reply starts (inline: the reply is generated in that push and
+    # plays from there on in stream time)
+    audio, first, i = track(6.0, [(0.5, q1)]), [], 0
+    while not any(e.kind == "reply_started" for e in first):
+        first += conv.push(audio=audio[i:i + 4000])
+        i += 4000
     turn = conv.turns[0]
-    assert turn.reply_start is not None and turn.audio_seconds > 0.3, turn
-    # the user talks over the reply a moment after it starts playing
-    events = push_track(conv, track(3.0, [(0.1, q2)], seed=2)) + conv.flush()
+    assert turn.reply_start == pytest.approx(conv.stream_time) and turn.audio_seconds > 0.2, turn
+    # the user talks over the reply as soon as it starts playing (50 ms pieces: the onset is heard promptly)
+    events = push_track(conv, track(2.5, [(0.0, q2)], seed=2), chunk_s=0.05, frames=False) + conv.flush()
     kinds = [e.kind for e in first + events]
-    assert "reply_interrupted" in kinds, kinds
+    assert "reply_interrupted" in kinds, (kinds, turn)
     cut = next(e for e in events if e.kind == "reply_interrupted")
-    assert cut.data["voiced_tokens"] < cut.data["tokens"]
+    assert cut.t < turn.reply_start + turn.audio_seconds
+    assert cut.data["voiced_tokens"] < cut.data["tokens"] == turn.tokens
     assert turn.interrupted and turn.voiced_tokens == cut.data["voiced_tokens"]
     reply = session.history.unit(turn._reply_uid)
     assert [s.length for s in reply.spans if s.kind is SpanKind.RESPONSE] == [turn.voiced_tokens]
     assert session.cache.layout_stats().retained_cells == session.history.total_tokens
     assert kinds.count("speech_ended") == 2  # the interrupting question is answered in turn
-    assert conv.turns[1].reply_start is not None
+    assert conv.turns[1].reply_start is not None and not conv.turns[1].interrupted
 
 
 @needs_espeak
@@ -219,3 +224,25 @@ def test_stream_voice_cli_on_the_bundled_clip(tiny_checkpoints, tmp_path):
                           "--audio", str(repo / "assets/media/spoken_questions_10s.flac"), "--hangover", "0.5"],
                          capture_output=True, text=True, timeout=120, cwd=repo)
     assert bad.returncode == 2 and "--hangover needs --voice" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen", "minicpmo"])
+def test_live_demo_voice_headless_prints_each_turn(tiny_checkpoints, family):
+    import os
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "examples/live_demo.py", "--model", str(tiny_checkpoints[family]), "--voice",
+                        "--source", "assets/media/video_10s_av.mp4", "--source-audio",
+                        "assets/media/spoken_questions_10s.flac", "--no-realtime", "--max-tokens", "3",
+                        "--ask", "4:What colour is it?"],
+                       capture_output=True, text=True, timeout=300, cwd=repo, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("Q: (spoken") == 2, r.stdout
+    assert r.stdout.count("A: ") >= 2
+    bad = subprocess.run([sys.executable, "examples/live_demo.py", "--model", str(tiny_checkpoints[family]),
+                          "--voice", "--no-mic"], capture_output=True, text=True, timeout=120, cwd=repo,
+                         stdin=subprocess.DEVNULL)
+    assert bad.returncode == 2 and "--voice needs the microphone" in bad.stderr
