@@ -126,6 +126,9 @@ class Conversation:
             from .vad import UtteranceDetector
 
             detector = UtteranceDetector()
+        warm_up = getattr(session, "warm_up", None)
+        if warm_up is not None:  # the first turn should not pay for imports and loading (SpeechUnavailable here)
+            warm_up(speak=bool(speak))
         self.session, self.detector = session, detector
         self.speak, self.barge_in, self.threaded = bool(speak), bool(barge_in), bool(threaded)
         self.on_event = on_event

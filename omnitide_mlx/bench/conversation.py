@@ -237,6 +237,6 @@ def run(args) -> int:
             print(result["families"][-1]["median"], flush=True)
     result["mac_prediction"] = mac_prediction(args.hangover)
     write_outputs(result, args, markdown=markdown, plot=plot)
-    if not args.json_path:
+    if not args.json_path and not args.markdown:
         print(markdown(result))
     return 0

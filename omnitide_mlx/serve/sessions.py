@@ -363,10 +363,11 @@ class ManagedSession:
                 raise ClientError("bad_request", str(e)) from None
             speech = SpeechOptions(speaker=args.get("speaker"))
         try:
-            self.conversation = Conversation(
-                self.session, detector=UtteranceDetector(args["vad"]), speak=args["speak"], speech=speech,
-                barge_in=args["barge_in"], threaded=True, on_event=self._turn_event, step=self.manager.gate.step,
-                **args["sampling"])
+            with self.manager.gate.step():  # the conversation warms the session up (imports, speech models)
+                self.conversation = Conversation(
+                    self.session, detector=UtteranceDetector(args["vad"]), speak=args["speak"], speech=speech,
+                    barge_in=args["barge_in"], threaded=True, on_event=self._turn_event, step=self.manager.gate.step,
+                    **args["sampling"])
         except ValueError as e:
             raise ClientError("bad_request", str(e)) from None
         return {"type": "voice", "enabled": True, "speak": args["speak"], "barge_in": args["barge_in"]}
