@@ -23,7 +23,7 @@ hangover the caller waited.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -85,7 +85,6 @@ class _Track:
     onset: int = 0  # candidate: its first speech chunk's start; speech: the utterance start (padded)
     silence_from: int = -1  # speech: where the current silence began (-1: none)
     last_end: int = 0  # the previous utterance's end (padding never reaches back past it)
-    events: list = field(default_factory=list)
 
 
 class UtteranceDetector:
@@ -108,13 +107,13 @@ class UtteranceDetector:
         self._buffer = np.zeros(0, np.float32)  # 16 kHz samples not yet in a chunk
         self._pos = 0  # 16 kHz samples run through the model (the buffer starts here)
         self._state = SileroState.zeros()
-        self._track = _Track()
+        self._rules = UtteranceRules(self.config)
         self.last_probs = np.zeros(0, np.float32)  # the probabilities of the last feed's chunks (for plots, tests)
 
     @property
     def in_speech(self) -> bool:
         """Whether an utterance is open (a start was emitted and no end yet)."""
-        return self._track.phase == "speech"
+        return self._rules.track.phase == "speech"
 
     @property
     def stream_time(self) -> float:
@@ -146,14 +145,7 @@ class UtteranceDetector:
         with the model state kept."""
         if self._resampler is not None:
             self._buffer = np.concatenate([self._buffer, self._resampler.drain()])
-        events = self._run(final=True)
-        end = self._pos
-        t = self._track
-        if t.phase == "speech":
-            stop = end if t.silence_from < 0 else min(end, t.silence_from + self._pad)
-            events.append(self._end(t, stop, end, "flush"))
-        elif t.phase == "candidate":
-            t.phase = "idle"
+        events = self._run(final=True) + self._rules.close(self._pos)
         # the next audio starts a new stretch of stream time where this one really ended
         self._in_offset = self.stream_time
         self._rate, self._resampler, self._in_samples = None, None, 0
@@ -161,7 +153,7 @@ class UtteranceDetector:
 
     def state_dict(self) -> dict:
         """Everything needed to continue this stream elsewhere: plain JSON-able values and NumPy arrays."""
-        t = self._track
+        t = self._rules.track
         return {
             "version": _STATE_VERSION,
             "config": asdict(self.config),
@@ -194,17 +186,11 @@ class UtteranceDetector:
             raise ValueError(f"not a saved UtteranceDetector state: {e!r}") from e
         self.config, self._rate, self._resampler = config, rate, resampler
         self._in_samples, self._in_offset = int(state["in_samples"]), float(state["in_offset"])
-        self._buffer, self._pos, self._state, self._track = buffer, int(state["pos"]), silero, track
+        self._buffer, self._pos, self._state = buffer, int(state["pos"]), silero
+        self._rules = UtteranceRules(config)
+        self._rules.track = track
 
     # --- internals --------------------------------------------------------------------------------------------
-    @property
-    def _pad(self) -> int:
-        return int(round(self.config.speech_pad_s * SAMPLE_RATE))
-
-    def _seconds(self, samples16: int) -> float:
-        """Stream seconds of a 16 kHz position (positions count from the start of the stream)."""
-        return samples16 / SAMPLE_RATE
-
     def _run(self, final: bool) -> list[SpeechEvent]:
         n = self._buffer.size // CHUNK
         if final and self._buffer.size % CHUNK:
@@ -220,14 +206,29 @@ class UtteranceDetector:
         self.last_probs = probs
         events = []
         for i, p in enumerate(probs):
-            start = self._pos + i * CHUNK
-            self._step(float(p), start, self._pos + min((i + 1) * CHUNK, real), events)
+            events += self._rules.step(float(p), self._pos + i * CHUNK, self._pos + min((i + 1) * CHUNK, real))
         self._pos += real
         return events
 
-    def _step(self, p: float, start: int, end: int, events: list) -> None:
-        """One chunk [start, end) with probability p through the state machine."""
-        cfg, t = self.config, self._track
+
+class UtteranceRules:
+    """The utterance state machine of ``VADConfig`` over per-frame speech probabilities, any frame length.
+
+    Positions are integers in 16 kHz samples of stream time (exact in a saved session); ``step(p, start, end)``
+    takes one frame ``[start, end)`` with speech probability ``p`` and returns the events it decides. The
+    detector feeds it Silero's 32 ms chunks; the VAD benchmark feeds it the other detectors' frames, so all are
+    timed by the same rules."""
+
+    def __init__(self, config: VADConfig):
+        self.config = config
+        self.track = _Track()
+
+    @property
+    def pad(self) -> int:
+        return int(round(self.config.speech_pad_s * SAMPLE_RATE))
+
+    def step(self, p: float, start: int, end: int) -> list[SpeechEvent]:
+        cfg, t, events = self.config, self.track, []
         on, off = p >= cfg.threshold, p < cfg.off_threshold
         if t.phase == "idle":
             if on:
@@ -237,30 +238,45 @@ class UtteranceDetector:
                 t.phase = "idle"
             elif end - t.onset >= round(cfg.min_speech_s * SAMPLE_RATE):
                 t.phase, t.silence_from = "speech", -1
-                t.onset = max(t.last_end, t.onset - self._pad)
-                events.append(SpeechEvent("start", self._seconds(t.onset), None, self._seconds(end), "onset"))
-            return
+                t.onset = max(t.last_end, t.onset - self.pad)
+                events.append(SpeechEvent("start", _seconds(t.onset), None, _seconds(end), "onset"))
+            return events
         if t.phase != "speech":
-            return
+            return events
         if on:
             t.silence_from = -1
         elif off and t.silence_from < 0:
             t.silence_from = start
         if t.silence_from >= 0 and end - t.silence_from >= round(cfg.hangover_s * SAMPLE_RATE):
-            events.append(self._end(t, min(end, t.silence_from + self._pad), end, "silence"))
-            return
-        cap = t.onset + round(cfg.max_utterance_s * SAMPLE_RATE)
-        if end >= cap:
+            events.append(self._end(min(end, t.silence_from + self.pad), end, "silence"))
+            return events
+        if end >= t.onset + round(cfg.max_utterance_s * SAMPLE_RATE):
             speaking = t.silence_from < 0
-            events.append(self._end(t, end, end, "cap"))
+            events.append(self._end(end, end, "cap"))
             if speaking:  # the user goes on: the next piece starts at the cut
                 t.phase, t.onset, t.silence_from = "speech", end, -1
-                events.append(SpeechEvent("start", self._seconds(end), None, self._seconds(end), "cap"))
+                events.append(SpeechEvent("start", _seconds(end), None, _seconds(end), "cap"))
+        return events
 
-    def _end(self, t: _Track, stop: int, decided: int, reason: str) -> SpeechEvent:
-        ev = SpeechEvent("end", self._seconds(t.onset), self._seconds(stop), self._seconds(decided), reason)
+    def close(self, end: int) -> list[SpeechEvent]:
+        """End of stream at ``end``: an open utterance ends (reason "flush"), a candidate is dropped."""
+        t = self.track
+        if t.phase == "speech":
+            stop = end if t.silence_from < 0 else min(end, t.silence_from + self.pad)
+            return [self._end(stop, end, "flush")]
+        t.phase = "idle"
+        return []
+
+    def _end(self, stop: int, decided: int, reason: str) -> SpeechEvent:
+        t = self.track
+        ev = SpeechEvent("end", _seconds(t.onset), _seconds(stop), _seconds(decided), reason)
         t.phase, t.last_end, t.silence_from = "idle", stop, -1
         return ev
+
+
+def _seconds(samples16: int) -> float:
+    """Stream seconds of a 16 kHz position."""
+    return samples16 / SAMPLE_RATE
 
 
 def _check_audio(audio) -> np.ndarray:
