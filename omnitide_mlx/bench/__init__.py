@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, str] = {
     "attention": "omnitide_mlx.bench.attention",
     "stream": "omnitide_mlx.bench.stream",
     "speech": "omnitide_mlx.bench.speech",
+    "vad": "omnitide_mlx.bench.vad",
 }
 
 # where a benchmark's HELP, DESCRIPTION and add_arguments live when not in its module (imports no array framework)
@@ -22,4 +23,5 @@ HELP: dict[str, str] = {
                  "(native / OmniPage / eager)",
     "stream": "stream-loop benchmark: update latency, attention, maintenance, sessions and memory for every policy",
     "speech": "spoken answers: talker tokens/s, token2wav real-time factor and time to first audio, MLX vs PyTorch",
+    "vad": "voice activity detection: Silero (MLX port) vs WebRTC vs pymicro-vad, accuracy per SNR, latency, cost",
 }
