@@ -128,14 +128,60 @@ def run_family(family: str, audio: np.ndarray, args, root: Path) -> dict:
         lat["vad_hangover_ms"] = round((t.decided_at - t.speech_end) * 1000, 2)
         turns.append({"speech_start": t.speech_start, "speech_end": t.speech_end, "tokens": t.tokens,
                       "audio_seconds": round(t.audio_seconds, 3), **lat})
-    # the detector's cost per second of audio, on this soundtrack
+    barge = barge_in(session, audio, args)
+    # the detector's own cost per second of audio, on this soundtrack
     fresh = UtteranceDetector(VADConfig(hangover_s=args.hangover))
     t0 = time.perf_counter()
     for i in range(0, audio.size, step):
         fresh.feed(audio[i:i + step], SR)
     vad_ms_per_s = (time.perf_counter() - t0) * 1000 / (audio.size / SR)
     return {"family": family, "turns": turns, "vad_ms_per_audio_second": round(vad_ms_per_s, 3),
-            "median": _medians(turns)}
+            "median": _medians(turns), "barge_in": barge}
+
+
+def barge_in(session, audio: np.ndarray, args, repeats: int = 3) -> dict:
+    """Speech over a reply being generated (threaded, as apps run it): the detector's onset delay (stream ms from
+    the speech's start to the decision) plus the wall time from that decision to the reply's stop (the decode
+    step under way ends it). The speech is the soundtrack's first question, pushed in 50 ms pieces."""
+    import threading
+
+    from ..conversation import Conversation
+    from ..vad import UtteranceDetector, VADConfig
+
+    start = int(0.3 * SR)
+    speech = audio[start:start + 2 * SR]
+    rows = []
+    for _ in range(repeats):
+        marks = {}
+        seen = threading.Event()
+
+        def on_event(ev, marks=marks, seen=seen):
+            now = time.perf_counter()
+            if ev.kind == "reply_text":
+                seen.set()
+            elif ev.kind == "speech_started" and "started" not in marks:
+                marks["started"], marks["onset_ms"] = now, (ev.t - ev.data["speech_start"]) * 1000
+            elif ev.kind == "reply_interrupted":
+                marks["stopped"] = now
+
+        conv = Conversation(session, detector=UtteranceDetector(VADConfig(hangover_s=args.hangover)),
+                            threaded=True, on_event=on_event, max_tokens=100_000, stop=["\x00never"])
+        conv.ask("Tell me everything.")
+        seen.wait(120)
+        for i in range(0, speech.size, 800):
+            conv.push(audio=speech[i:i + 800])
+            if "stopped" in marks:
+                break
+        deadline = time.monotonic() + 60
+        while "stopped" not in marks and time.monotonic() < deadline:
+            time.sleep(0.001)
+        conv.close()
+        if "stopped" in marks and "started" in marks:
+            rows.append({"onset_ms": round(marks["onset_ms"], 2),
+                         "stop_ms": round((marks["stopped"] - marks["started"]) * 1000, 2)})
+    med = (lambda k: round(statistics.median(r[k] for r in rows), 2) if rows else None)  # noqa: E731
+    return {"runs": rows, "onset_ms": med("onset_ms"), "stop_ms": med("stop_ms"),
+            "total_ms": round(med("onset_ms") + med("stop_ms"), 2) if rows else None}
 
 
 def _medians(turns: list[dict]) -> dict:
@@ -176,12 +222,13 @@ def mac_prediction(hangover_s: float, bits: int = 4) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = ["| model | turns | VAD hangover ms | queue ms | last unit ms | first text ms | first audio ms | "
-             "overhead ms | VAD ms / audio s |", "|---|---|---|---|---|---|---|---|---|"]
+             "overhead ms | VAD ms / audio s | barge-in: onset + stop ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for f in result["families"]:
-        m = f["median"]
+        m, b = f["median"], f.get("barge_in", {})
         lines.append(f"| tiny {f['family']} | {len(f['turns'])} | {m['vad_hangover_ms']} | {m['queue_ms']} | "
                      f"{m['last_unit_ms']} | {m['first_text_ms']} | {m['first_audio_ms']} | {m['overhead_ms']} | "
-                     f"{f['vad_ms_per_audio_second']} |")
+                     f"{f['vad_ms_per_audio_second']} | {b.get('onset_ms')} + {b.get('stop_ms')} = "
+                     f"{b.get('total_ms')} |")
     lines += ["", "| shape | machine | last unit ms | question ms | first chunk's codes ms | token2wav ms | "
                   "first audio ms | + hangover ms |", "|---|---|---|---|---|---|---|---|"]
     for r in result["mac_prediction"]:
