@@ -12,6 +12,15 @@ prints before its `A:`. Microphone input needs the optional package sounddevice 
 ``--speak`` answers in speech too (a Qwen2.5-Omni checkpoint with its talker): every answer is written to
 ``--audio-out`` as a wav, and played as it is generated when sounddevice and an output device are there
 (``pip install 'omnitide-mlx[speech]'``; a headless run only writes the files).
+
+``--voice`` is a conversation: a voice-activity detector hears each question spoken into the microphone (or in
+the soundtrack of ``--source``), the model answers it when the speaker stops (aloud with ``--speak``), and
+speaking while it answers interrupts it; typed questions still work. Use headphones, or the model may hear itself
+(docs/usage.md, "Spoken turns").
+
+    python examples/live_demo.py --model M --voice --speak                         # talk to it
+    python examples/live_demo.py --model M --voice --source assets/media/video_10s_av.mp4 \\
+        --source-audio assets/media/spoken_questions_10s.flac --no-realtime          # headless: prints each turn
 """
 
 from __future__ import annotations
@@ -79,7 +88,7 @@ def capture_loop(session, args, stop: threading.Event, clock: dict, capture=None
     try:
         if args.source:
             start = time.monotonic()
-            for chunk in MediaStream(args.source, seconds=args.seconds):
+            for chunk in MediaStream(args.source, args.source_audio, seconds=args.seconds):
                 if stop.is_set():
                     break
                 time.sleep(max(0.0, start + chunk.t - time.monotonic()) if args.realtime else 0.0)
@@ -150,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local model folder or Hugging Face id")
     p.add_argument("--source", default=None, help="a video file instead of the camera and microphone")
+    p.add_argument("--source-audio", default=None, metavar="FILE",
+                   help="a soundtrack for --source instead of its own (e.g. spoken questions; wav, flac, mp3, ...)")
     p.add_argument("--camera", type=int, default=0)
     p.add_argument("--no-mic", action="store_true", help="camera only")
     p.add_argument("--seconds", type=positive_float, default=None, help="stop after this many seconds of input")
@@ -164,7 +175,113 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audio-out", default="answers", help="folder for the spoken answers (default ./answers)")
     p.add_argument("--ask", action="append", default=[], metavar="T:QUESTION",
                    help="scripted question at T seconds (or m:ss) for headless runs; otherwise type questions")
+    p.add_argument("--voice", action="store_true",
+                   help="spoken questions: answer each utterance when the speaker stops; speech interrupts a reply")
+    p.add_argument("--hangover", type=positive_float, default=None, metavar="S",
+                   help="--voice: seconds of silence that end an utterance (default 0.5)")
     return p
+
+
+class VoiceConsole:
+    """--voice: prints the conversation's events as they come, writes (and plays) each spoken reply."""
+
+    def __init__(self, console: Console, args):
+        self.console, self.args = console, args
+        self.writer = self.player = None
+        self.turns = 0
+
+    def on_event(self, ev) -> None:
+        kind = ev.kind
+        if kind == "speech_started":
+            print(f"\n[{ev.t:6.2f}s] (you are speaking)", file=sys.stderr, flush=True)
+        elif kind == "speech_ended":
+            print(f"\nQ: (spoken, {ev.data['speech_start']:.2f}-{ev.data['speech_end']:.2f}s)", flush=True)
+        elif kind == "reply_started":
+            self.turns += 1
+            print("A: ", end="", flush=True)
+        elif kind == "reply_text":
+            print(ev.text, end="", flush=True)
+        elif kind == "reply_audio":
+            self._audio(ev)
+        elif kind in ("reply_done", "reply_interrupted", "turn_error"):
+            self._end_audio()
+            if kind == "reply_interrupted":
+                print(f"\n[{ev.t:6.2f}s] (interrupted: {ev.data['voiced_tokens']} of {ev.data['tokens']} tokens "
+                      "voiced)", file=sys.stderr, flush=True)
+            elif kind == "turn_error":
+                print(f"\n(turn {ev.turn} failed: {ev.data['error']})", file=sys.stderr, flush=True)
+            else:
+                print(flush=True)
+
+    def _audio(self, ev) -> None:
+        from pathlib import Path
+
+        from omnitide_mlx.speech import Player, WavWriter
+
+        chunk = ev.audio
+        if chunk is None or not chunk.pcm.size:
+            return
+        if self.writer is None:
+            path = Path(self.args.audio_out) / f"turn_{ev.turn:02d}.wav"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.writer = WavWriter(path, chunk.sample_rate)
+            self.player = Player.open(chunk.sample_rate) if not self.args.source else None  # headless: files only
+        self.writer.write(chunk)
+        if self.player is not None:
+            self.player.play(chunk)
+
+    def _end_audio(self) -> None:
+        if self.player is not None:
+            self.player.close()  # an interrupted reply stops at the chunk being played
+        if self.writer is not None:
+            self.writer.close()
+            print(f"\n(spoken answer: {self.writer.path}, {self.writer.seconds:.2f} s)", file=sys.stderr)
+        self.writer = self.player = None
+
+
+def run_voice(session, args, console: Console, scripted, stop: threading.Event, capture=None) -> None:
+    """--voice: the capture loop pushes through a Conversation (replies on its worker thread); typed or scripted
+    questions are turns too."""
+    from omnitide_mlx.conversation import Conversation
+    from omnitide_mlx.vad import UtteranceDetector, VADConfig
+
+    cfg = VADConfig() if args.hangover is None else VADConfig(hangover_s=args.hangover)
+    speech = None
+    if args.speak:
+        from omnitide_mlx.speech import SpeechOptions
+
+        speech = SpeechOptions(speaker=args.speaker)
+    view = VoiceConsole(console, args)
+    conv = Conversation(session, detector=UtteranceDetector(cfg), speak=args.speak, speech=speech, threaded=True,
+                        on_event=view.on_event, **sampling_kwargs(args))
+    clock = {"t": 0.0, "done": False, "error": None}
+    producer = threading.Thread(target=capture_loop, args=(conv, args, stop, clock, capture), daemon=True)
+    producer.start()
+    if not scripted and sys.stdin.isatty():
+        print("speak, or type a question and press Enter (Ctrl-D to stop)", file=sys.stderr)
+
+        def read_stdin():
+            for line in sys.stdin:
+                if line.strip():
+                    conv.ask(line.strip())
+            stop.set()
+
+        threading.Thread(target=read_stdin, daemon=True).start()
+    try:
+        while not stop.is_set() and not clock["done"]:
+            while scripted and scripted[0][0] <= clock["t"]:
+                conv.ask(scripted.pop(0)[1])
+            time.sleep(0.05)
+        for _, q in scripted:
+            conv.ask(q)
+        if clock["done"]:
+            conv.flush()  # the end of the input: an utterance still open is answered
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        producer.join(timeout=5)
+        conv.close()
 
 
 def main(argv=None) -> int:
@@ -182,10 +299,16 @@ def main(argv=None) -> int:
         check_kv_group(args)  # from config.json: a quantisation group that cannot divide the head
         kv = kv_kwargs(args)
         media = media_setting(args)
+        if args.voice and args.no_mic and args.source is None:
+            raise UsageError("--voice needs the microphone (or --source with a soundtrack): drop --no-mic")
+        if args.source_audio is not None and args.source is None:
+            raise UsageError("--source-audio needs --source")
+        if args.hangover is not None and not args.voice:
+            raise UsageError("--hangover needs --voice")
         if args.source is not None:
             from omnitide_mlx.media import MediaStream
 
-            MediaStream(args.source, seconds=args.seconds)  # the file opens and decodes
+            MediaStream(args.source, args.source_audio, seconds=args.seconds)  # the files open and decode
     except (UsageError, MediaError) as e:
         print(f"live_demo: {e}", file=sys.stderr)
         return 2
@@ -216,6 +339,13 @@ def main(argv=None) -> int:
         return 1
     console.bytes_per_token = session.stats()["kv_bytes_per_token"]
     stop = threading.Event()
+    if args.voice:
+        try:
+            run_voice(session, args, console, scripted, stop, capture)
+        except (ValueError, RuntimeError) as e:
+            print(f"live_demo: {e}", file=sys.stderr)
+            return 1
+        return _summary(session)
     clock = {"t": 0.0, "done": False, "error": None}
     producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock, capture), daemon=True)
     producer.start()
@@ -252,6 +382,10 @@ def main(argv=None) -> int:
     finally:
         stop.set()
         producer.join(timeout=5)
+    return _summary(session)
+
+
+def _summary(session) -> int:
     s = session.stats()
     print(f"\n{s['units']} units, {s['retained_cells']} tokens retained "
           f"({s['retained_cells'] * s['kv_bytes_per_token'] / 2**20:.2f} MiB; capacity {s['kv_bytes'] / 2**20:.2f} "

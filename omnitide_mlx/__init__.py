@@ -19,6 +19,8 @@ from .lazy import lazy_getattr
 _LAZY = {
     "load": ("omnitide_mlx.models", "load"),
     "OmniSession": ("omnitide_mlx.session", "OmniSession"),
+    "Conversation": ("omnitide_mlx.conversation", "Conversation"),
+    "TurnEvent": ("omnitide_mlx.conversation", "TurnEvent"),
     "OmniCache": ("omnitide_mlx.cache", "OmniCache"),
     "OmniTideError": ("omnitide_mlx.errors", "OmniTideError"),
     "MediaError": ("omnitide_mlx.errors", "MediaError"),

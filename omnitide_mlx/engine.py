@@ -202,6 +202,7 @@ class StreamingSession(Persistence, Inbox, Retention, Replies, Recall):
         self._capture_hidden = False  # keep the last forward's hidden states (a reply with on_forward)
         self._hidden = None  # those hidden states
         self._flush_requested = False
+        self._flush_pad = False  # the queued flush pads the buffered audio to a second
         self._inbox_lock = threading.Lock()
         self._inbox: deque[_Pending] = deque()
         self.rejected: deque[str] = deque(maxlen=64)  # errors of queued chunks whose push() had returned
@@ -211,6 +212,7 @@ class StreamingSession(Persistence, Inbox, Retention, Replies, Recall):
         self._audio_driven = False
         self._seconds = 0.0  # stream time given to units pushed without t
         self._last_logits = None
+        self._turn_since: float | None = None  # units from this stream time on are held whole (hold_turn)
 
     def _check_kv_quant(self, bits, group_size, keep_sinks_full) -> dict:
         """Quantised KV options (mlx-lm's --kv-bits / --kv-group-size), checked before the model loads; {} for
@@ -276,31 +278,41 @@ class StreamingSession(Persistence, Inbox, Retention, Replies, Recall):
             raise error
         return records
 
-    def flush(self) -> list[UpdateRecord]:
+    def flush(self, pad_audio: bool = False) -> list[UpdateRecord]:
         """Turn buffered input into units: less than a second of audio (with the oldest waiting frame, if any),
-        then every frame still waiting for its audio (with a second of silence).
+        then every frame still waiting for its audio (with a second of silence). ``pad_audio``: the buffered audio
+        is padded with silence to a whole second (counted as silence), as the end of a spoken turn does: every
+        model takes a whole unit (MiniCPM-o's streaming audio encoder takes nothing shorter).
 
         While a reply is open the flush queues and runs when the reply ends (it returns ``[]`` then)."""
         with self._engine():
             self._flush_requested = True
+            self._flush_pad = self._flush_pad or bool(pad_audio)
             if self._open is not None and not self._open.abandoned:
                 return []
             return self._settle_locked()
 
     # --- consumer side --------------------------------------------------------------------------------------
-    def ask(self, question: str, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
+    def ask(self, question: str | None, *, max_tokens: int = 256, temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0,
             top_k: int = 0, repetition_penalty: float | None = None, seed: int | None = None,
             stop: str | list[str] | None = None, on_forward: Callable | None = None) -> Iterator[str]:
         """Ask a question about everything streamed so far; returns the reply as an iterator of text pieces.
 
-        Sampling options follow mlx-lm (``temp`` 0 is greedy). The question and the reply become units of the
+        ``question=None`` answers a spoken question: the user's words are the audio streamed since the last reply
+        (the open turn's media units), as the model hears speech; the turn is closed and answered (MediaError, at the
+        first piece, when nothing has been streamed since the last reply). Sampling options follow mlx-lm (``temp`` 0
+        is greedy). The question and the reply become units of the
         history. Queued pushes are processed first, so the answer sees them. One reply at a time: asking again
         (from any thread) ends the open reply where it is, as a stop button would, and its iterator then ends.
         Closing the iterator (or dropping it) ends the reply; pushes made meanwhile are processed then.
         ``on_forward(ids, embeds, hidden)`` is called for the question unit and for every reply token fed back,
         with the backend's final-norm hidden states of those tokens (spoken replies read them; see speech.py).
         """
-        question = _check_text(question)
+        if question is None:  # a spoken question: the user's audio already streamed in the open turn
+            if not hasattr(self.adapter, "turn_unit"):
+                raise ValueError("this model cannot hear a spoken question (no audio input): ask in text")
+        else:
+            question = _check_text(question)
         sampling = Sampling(max_tokens, temp, top_p, min_p, top_k, repetition_penalty, seed, stop)
 
         def reply() -> Iterator[str]:
@@ -324,6 +336,60 @@ class StreamingSession(Persistence, Inbox, Retention, Replies, Recall):
                 self._settle()
 
         return reply()
+
+    def hold_turn(self, since: float) -> None:
+        """Keep every unit from stream time ``since`` on whole through retention (the units holding a spoken
+        question, from its onset until its reply ends): they are pinned in every plan; ``release_turn`` ends it.
+        Under a KV budget the ceiling still wins (budget trims drop pinned units last)."""
+        since = float(since)
+        if not np.isfinite(since):
+            raise ValueError(f"hold_turn needs a finite stream time, got {since!r}")
+        with self._engine(settle=False):
+            self._turn_since = since
+
+    def release_turn(self) -> None:
+        """End ``hold_turn``: the held units become ordinary history again (retention treats them at the next
+        update)."""
+        with self._engine(settle=False):
+            self._turn_since = None
+
+    def _pinned_uids(self) -> frozenset[int]:
+        since = self._turn_since
+        if since is None:
+            return frozenset()
+        out, held = set(), False
+        for u in self.history:
+            if u.kind is UnitKind.SYSTEM:
+                continue
+            held = held or (u.t is not None and u.t >= since)
+            if held:  # from the first unit at or after the onset: the turn's media, its text and its question
+                out.add(u.uid)
+        return frozenset(out)
+
+    def truncate_reply(self, uid: int, keep_tokens: int) -> int:
+        """Keep only the first ``keep_tokens`` generated tokens of the closed reply ``uid`` (what was voiced before a
+        barge-in), its closing tokens stay: the rest leaves the history and the cache like any retention (positions
+        shift, keys re-rotate). Returns the tokens removed."""
+        with self._engine():
+            if self._open is not None and self._open.uid == uid and not self._open.done:
+                raise SessionBusyError("the reply is still open: close it before truncating it")
+            i = self.history.index_of(uid)
+            unit = self.history[i]
+            if unit.kind is not UnitKind.REPLY:
+                raise ValueError(f"unit {uid} is a {unit.kind.value} unit, not a reply")
+            spoken = [s for s in unit.spans if s.kind is SpanKind.RESPONSE]
+            if not spoken:
+                return 0
+            span = spoken[0]
+            keep_tokens = max(0, min(int(keep_tokens), span.length))
+            if keep_tokens == span.length:
+                return 0
+            keep = np.ones(self.history.total_tokens, dtype=bool)
+            off = self.history.offsets()[i] + span.start
+            keep[off + keep_tokens:off + span.length] = False
+            plan = plan_from_mask(self.history, keep, "truncate", self.policy.positions)
+            self._apply_retention(plan)
+            return span.length - keep_tokens
 
     def answer(self, question: str, **kwargs) -> str:
         """``ask`` collected into one string."""

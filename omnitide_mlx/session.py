@@ -158,6 +158,17 @@ class OmniSession(StreamingSession):
         kwargs.setdefault("backend", MlxBackend())
         super().__init__(model, processor, **kwargs)
 
+    def warm_up(self, speak: bool = False) -> None:
+        """Load what the first answer would otherwise load (mlx-lm's samplers: ~8 s of imports on a cold Linux CPU;
+        with ``speak`` the speech models), so that a conversation's first turn is answered as fast as the rest.
+        Raises SpeechUnavailable (with ``speak``) for a checkpoint that cannot speak."""
+        import mlx_lm.sample_utils  # noqa: F401
+
+        if speak:
+            from .speech import speech_for
+
+            speech_for(self)
+
     def ask(self, question: str, *, speak: bool = False, speaker: str | None = None, speech=None, **kwargs):
         """The engine's ``ask`` (text pieces); with ``speak=True`` the iterator also yields
         :class:`~omnitide_mlx.speech.AudioChunk` objects as the spoken reply is ready (``speaker``: a voice of the

@@ -2,7 +2,8 @@
 # Sets up .venv at the repository root with omnitide-mlx installed in editable mode.
 #   --dev   also the test dependencies (pytest, hypothesis, torch 2.13.0 CPU, transformers, ...) and, on
 #           Debian/Ubuntu as root, clang for the Metal-kernel checks and chromium + chromium-driver for the
-#           `omnitide serve` page test (headless, with a fake camera and microphone).
+#           `omnitide serve` page test (headless, with a fake camera and microphone), espeak-ng + sox for the
+#           spoken test audio (omnitide_mlx/vad/testaudio.py, omnitide bench vad).
 # On Debian/Ubuntu as root it installs OpenBLAS too: MLX's CPU wheel links a slow reference BLAS, and
 # `import omnitide_mlx` loads OpenBLAS before MLX instead (omnitide_mlx/blas.py; about 20x faster float32 matmul).
 # It first checks for Python 3.10+ and, on a Mac, Apple silicon (--check-python: only that).
@@ -58,6 +59,8 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     command -v clang++-19 >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 || need+=(clang-19)
     command -v chromium >/dev/null 2>&1 || need+=(chromium)
     command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+    command -v espeak-ng >/dev/null 2>&1 || need+=(espeak-ng)
+    command -v sox >/dev/null 2>&1 || need+=(sox)
   fi
   if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}"
@@ -82,6 +85,8 @@ pip_q() {
 pip_q install -q --upgrade pip
 if [ "$DEV" = 1 ]; then extras="dev"; else extras="plot"; fi
 pip_q install -q -e ".[$extras]"
+# the Silero VAD weights (omnitide_mlx/vad): the package's torch requirement is for its own loaders, never used here
+pip_q install -q --no-deps "silero-vad>=6.2"
 if [ "$DEV" = 1 ]; then
   # MiniCPM-o parity reference (tests/models/minicpmo/test_mlx_vlm.py imports only mlx_vlm.models, which needs
   # nothing beyond mlx and numpy): without its dependency tree (opencv-python, fastapi, mlx-audio, ...)

@@ -10,6 +10,8 @@ BENCHMARKS: dict[str, str] = {
     "attention": "omnitide_mlx.bench.attention",
     "stream": "omnitide_mlx.bench.stream",
     "speech": "omnitide_mlx.bench.speech",
+    "conversation": "omnitide_mlx.bench.conversation",
+    "vad": "omnitide_mlx.bench.vad",
 }
 
 # where a benchmark's HELP, DESCRIPTION and add_arguments live when not in its module (imports no array framework)
@@ -22,4 +24,7 @@ HELP: dict[str, str] = {
                  "(native / OmniPage / eager)",
     "stream": "stream-loop benchmark: update latency, attention, maintenance, sessions and memory for every policy",
     "speech": "spoken answers: talker tokens/s, token2wav real-time factor and time to first audio, MLX vs PyTorch",
+    "conversation": "spoken turns: end of speech to first reply audio, broken down (VAD, prefill, text, audio, "
+                    "overhead)",
+    "vad": "voice activity detection: Silero (MLX port) vs WebRTC vs pymicro-vad, accuracy per SNR, latency, cost",
 }

@@ -38,6 +38,7 @@ examples:
 
 
 from .speech_args import SpokenAnswers, add_speech_arguments, check_speech_args  # noqa: E402
+from .voice import VoiceTurns, add_voice_arguments, check_voice_args  # noqa: E402
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write answers and per-update KV figures as JSON")
     p.add_argument("--save-session", default=None, metavar="DIR", help="save the session state at the end")
     add_speech_arguments(p)
+    add_voice_arguments(p)
     add_progress_argument(p, legacy_quiet=True)
 
 
@@ -82,6 +84,8 @@ def check_args(args) -> None:
     recall_kwargs(args)
     if hasattr(args, "speak"):
         check_speech_args(args)
+    if hasattr(args, "voice"):
+        check_voice_args(args)
     _check_outputs_apart(args)
 
 
@@ -423,6 +427,8 @@ def run(args) -> int:
         check_kv_budget(args, media, asks=bool(questions))  # from the checkpoint's files, before it loads
         session = session_from_args(args, on_update=on_update)
         speaker = SpokenAnswers(session, args, "omnitide stream")
+        voice = (VoiceTurns(session, args, "omnitide stream", speaker.options if speaker.enabled else None,
+                            args.audio_out) if getattr(args, "voice", False) else None)
     except UsageError as e:
         print(f"omnitide stream: {e}", file=sys.stderr)
         return 2
@@ -448,6 +454,9 @@ def run(args) -> int:
         while pending and pending[0][0] <= now and not stop.requested:
             t, q = pending.pop(0)
             progress.clear()
+            if voice is not None:  # a typed question beside the spoken ones: a turn of the conversation
+                voice.ask(t, q)
+                continue
             print(f"\n[{t:g}s] Q: {q}", flush=True)
             pieces = iter(speaker.ask(q, label=f"{t:g}s", **sampling_kwargs(args)))
             first = next(pieces, "")  # the question's update (and its --stats line) happens here, before "A:"
@@ -484,7 +493,8 @@ def run(args) -> int:
                 if stop.requested:
                     break
                 try:
-                    session.push(frame=chunk.frame, audio=chunk.audio, t=chunk.t)
+                    (voice.push if voice is not None else session.push)(frame=chunk.frame, audio=chunk.audio,
+                                                                         t=chunk.t)
                     streamed += 1
                     tally.add(chunk, media)
                 except MediaError as e:  # a bad chunk is skipped, the stream goes on
@@ -495,6 +505,8 @@ def run(args) -> int:
                 if stop.requested:
                     break
             ask_due(float("inf"))
+            if voice is not None and not stop.requested:
+                voice.finish()  # an utterance still open at the end of the file is answered
         except MediaError as e:  # the file broke mid-way: keep what was streamed and answered
             error = e
         finally:
@@ -522,6 +534,7 @@ def run(args) -> int:
                 for a, f in zip(answers, speaker.files):
                     a["speech"] = f
             out = {"model": args.model, "policy": args.policy, "answers": answers, "updates": updates, "stats": s,
+                   **({"turns": voice.turns_json()} if voice is not None else {}),
                    "media": {"units": streamed, **done, "skipped": tally.skipped_json()}}
             if stop.requested:
                 out["interrupted"] = True

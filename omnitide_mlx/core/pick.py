@@ -11,7 +11,7 @@ position, so positions grow without bound over a long stream.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from .units import History, SpanKind, Unit, UnitKind
 
 __all__ = ["DEFAULT_HIGH", "DEFAULT_LOW", "H2O", "POLICIES", "POLICY_NAMES", "POSITION_MODES", "FullContext", "OmniPick", "OmniTide", "RetentionError",
            "RetentionPlan", "RetentionPolicy", "StreamingLLM", "TokenSliding", "UnitFIFO", "UnitPlan", "apply_plan",
-           "make_policy", "parse_leftover", "plan_from_mask", "range_shifts", "watermarks", "LOW_RATIO",
+           "make_policy", "parse_leftover", "pinned_mask", "plan_from_mask", "range_shifts", "watermarks", "LOW_RATIO",
            "WatermarkError"]
 
 
@@ -61,10 +61,15 @@ class RetentionPolicy:
         self.low = int(low)
         self.layout = layout
 
-    def plan(self, history: History, scores: np.ndarray | None = None) -> RetentionPlan | None:
+    def plan(self, history: History, scores: np.ndarray | None = None,
+             pinned: Collection[int] = ()) -> RetentionPlan | None:
+        """``pinned``: uids of units kept whole whatever the policy chooses (the units of a spoken turn until its
+        reply ends); they count toward the watermarks, so a trim may end above ``low`` while they are held."""
         if history.total_tokens <= self.high or not history.stream_units:
             return None
         keep = self.keep_mask(history, scores)
+        if pinned:
+            keep = np.asarray(keep, dtype=bool) | pinned_mask(history, pinned)
         plan = plan_from_mask(history, keep, self.name, self.positions)
         return plan if plan.deleted_tokens else None
 
@@ -94,7 +99,8 @@ class FullContext(RetentionPolicy):
     def __init__(self, high: int = DEFAULT_HIGH, low: int = DEFAULT_LOW, layout: str = "native"):
         super().__init__(high, low, layout)
 
-    def plan(self, history: History, scores: np.ndarray | None = None) -> RetentionPlan | None:
+    def plan(self, history: History, scores: np.ndarray | None = None,
+             pinned: Collection[int] = ()) -> RetentionPlan | None:
         return None
 
     def keep_mask(self, history, scores=None):
@@ -117,6 +123,16 @@ class UnitFIFO(RetentionPolicy):
             keep[offsets[i]:offsets[i] + u.length] = False
             total -= u.length
         return keep
+
+
+def pinned_mask(history: History, pinned: Collection[int]) -> np.ndarray:
+    """True on every token of the units whose uid is in ``pinned``."""
+    mask = np.zeros(history.total_tokens, dtype=bool)
+    pinned = set(pinned)
+    for off, u in zip(history.offsets(), history):
+        if u.uid in pinned:
+            mask[off:off + u.length] = True
+    return mask
 
 
 def _stream_budget(history: History, low: int) -> int:

@@ -75,6 +75,8 @@ MACHINES = {
     "m2-max-38": Machine("M2 Max (38-core GPU)", 38, 1.398, 400.0),
     "m1-8": Machine("M1 (8-core GPU)", 8, 1.278, 68.25),
     "m3-pro-18": Machine("M3 Pro (18-core GPU)", 18, 1.398, 150.0),
+    "m2-10": Machine("M2 (10-core GPU)", 10, 1.398, 100.0),
+    "m4-max-40": Machine("M4 Max (40-core GPU)", 40, 1.578, 546.0),
 }
 DEFAULT_MACHINE = MACHINES["m2-max-38"]
 

@@ -17,11 +17,15 @@ WebSocket protocol (``/v1/sessions/{id}/ws``; JSON text messages, or binary ``[u
    defaults; temperature 0 = greedy; the text's temp / top_p / top_k do not apply to speech)
   {"type": "cancel"[, "id"]}   {"type": "flush"}   {"type": "stats"}   {"type": "save", "name": "..."}
   {"type": "ping"}
+  {"type": "voice", "enabled": true, "speak": false, "speaker": null, "barge_in": true, "hangover": 0.6,
+   "vad_threshold": 0.5, "max_utterance": 30, + ask's sampling fields}: spoken turns (docs/usage.md)
 Server -> client:
   ready {session, stats, limits}; pushed {seq, updates}; update {seq, record}; answer_start / piece {id, text} /
   audio {id, index, format: pcm_s16le, sample_rate, data: b64, final, note} (spoken answers);
   answer_end {id, text, tokens, finish_reason}; flushed; saved {name}; stats {info}; pong;
   error {code, message, seq | id}: the session goes on; session_deleted, then the socket closes.
+  voice {enabled}; turn {event: speech_started | speech_ended | reply_started | reply_interrupted | reply_done |
+  turn_error, turn, id: "turn-N", t (stream seconds), ...}; a turn's reply comes as piece / audio with id "turn-N".
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from .config import ServeConfig
 from .decode import ClientError, parse_json, split_binary, unit_from_message
 from .guards import Guard
 from .openai import chat_completions
-from .sessions import Job, SessionManager, sampling_from
+from .sessions import Job, SessionManager, sampling_from, voice_args
 
 PAGE_HEADERS = {
     "Cache-Control": "no-store",
@@ -254,6 +258,8 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
                 ms.submit(Job("ask", {"id": msg.get("id"), "question": q, "sampling": sampling, "speak": speak,
                                       "speaker": speaker, "speech_sampling": speech_sampling})).add_done_callback(
                     lambda f, r=ref: reply(f, r))
+            elif kind == "voice":
+                ms.submit(Job("voice", voice_args(msg, manager))).add_done_callback(lambda f, r=ref: reply(f, r))
             elif kind == "cancel":
                 ms.cancel_answer(msg.get("id"))
             elif kind == "flush":
@@ -267,8 +273,8 @@ async def _receive(ws: WebSocket, ms, outbox: asyncio.Queue, manager: SessionMan
             elif kind == "ping":
                 outbox.put_nowait({"type": "pong", **ref})
             else:
-                raise ClientError("bad_request", f"unknown message type {kind!r} (unit, ask, cancel, flush, save, "
-                                                 "stats, ping)")
+                raise ClientError("bad_request", f"unknown message type {kind!r} (unit, ask, voice, cancel, flush, "
+                                                 "save, stats, ping)")
         except ClientError as e:
             if kind == "unit":
                 ms.counts["rejected"] += 1

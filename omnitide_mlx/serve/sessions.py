@@ -96,6 +96,38 @@ def sampling_from(req: dict, default_max_tokens: int, max_tokens_limit: int, *, 
     )
 
 
+def voice_args(msg: dict, manager: "SessionManager") -> dict:
+    """Validated ``{"type": "voice"}`` settings (before anything runs): on/off, speech, barge-in, the detector's
+    settings and the replies' sampling."""
+    enabled = msg.get("enabled", True)
+    speak, barge_in, speaker = msg.get("speak", False), msg.get("barge_in", True), msg.get("speaker")
+    for name, v in (("enabled", enabled), ("speak", speak), ("barge_in", barge_in)):
+        if not isinstance(v, bool):
+            raise ClientError("bad_request", f"{name} must be true or false")
+    if speaker is not None and not isinstance(speaker, str):
+        raise ClientError("bad_request", "speaker must be a voice name")
+    from dataclasses import replace
+
+    from ..vad import VADConfig
+
+    kw = {}
+    for name, field_, lo, hi in (("hangover", "hangover_s", 0.05, 10.0), ("vad_threshold", "threshold", 0.01, 0.99),
+                                 ("max_utterance", "max_utterance_s", 1.0, 600.0)):
+        v = msg.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise ClientError("bad_request", f"{name} must be a number in [{lo}, {hi}]")
+        kw[field_] = float(v)
+    try:
+        vad = replace(VADConfig(), **kw)
+    except ValueError as e:
+        raise ClientError("bad_request", str(e)) from None
+    sampling = sampling_from(msg, manager.config.default_max_tokens, manager.config.limits.max_tokens)
+    return {"enabled": enabled, "speak": speak, "speaker": speaker, "barge_in": barge_in, "vad": vad,
+            "sampling": sampling}
+
+
 def record_json(rec) -> dict:
     d = asdict(rec)
     for k in ("prefill_ms", "maintenance_ms", "update_ms"):
@@ -119,6 +151,7 @@ class ManagedSession:
         self.counts = {"units_received": 0, "units_pushed": 0, "rejected": 0, "answers": 0, "cancelled_answers": 0,
                        "pieces": 0, "audio_chunks": 0}
         self.last_stats: dict = {}
+        self.conversation = None  # a Conversation while the client talks to it ({"type": "voice"})
         self._sink: Callable[[dict], None] | None = None
         self._jobs: asyncio.Queue[Job | None] = asyncio.Queue()
         self._current: Job | None = None
@@ -156,6 +189,10 @@ class ManagedSession:
         self._sink = None
         self.detached_since = time.monotonic()
         self.cancel_all()
+        if self.conversation is not None:  # its reply stops at the next step; the conversation ends with the client
+            conv, self.conversation = self.conversation, None
+            conv.interrupt()
+            self._loop.run_in_executor(self.manager.executor, conv.close)
 
     def cancel_all(self) -> None:
         if self._current is not None:
@@ -230,9 +267,14 @@ class ManagedSession:
                 if item.text:
                     self.manager.check_prompt(self.manager.prompt_tokens([item.text]))
                 try:
-                    with gate.step():
-                        recs = s.push(frame=item.frame, audio=item.audio, text=item.text, t=item.t,
-                                      sample_rate=item.sample_rate or 16000)
+                    if self.conversation is not None:  # the conversation takes the gate for each model step
+                        self.conversation.push(frame=item.frame, audio=item.audio, text=item.text, t=item.t,
+                                               sample_rate=item.sample_rate or 16000)
+                        recs = ()
+                    else:
+                        with gate.step():
+                            recs = s.push(frame=item.frame, audio=item.audio, text=item.text, t=item.t,
+                                          sample_rate=item.sample_rate or 16000)
                 except MediaError as e:
                     self.counts["rejected"] += 1
                     raise ClientError("bad_media", str(e)) from None
@@ -243,7 +285,12 @@ class ManagedSession:
                     recs = s.flush()
                 return {"type": "flushed", "updates": len(recs)}
             if job.kind == "ask":
+                if self.conversation is not None:  # a typed question in a conversation is one of its turns
+                    self.conversation.ask(job.args["question"])
+                    return {"type": "asked", "id": job.args.get("id")}
                 return self._ask(job)
+            if job.kind == "voice":
+                return self._voice(job.args)
             if job.kind == "save":
                 with gate.step():
                     s.save(job.args["path"])
@@ -316,8 +363,71 @@ class ManagedSession:
         finish = "cancelled" if cancelled else ("length" if tokens >= job.args["sampling"]["max_tokens"] else "stop")
         return {"type": "answer_end", "id": qid, "text": "".join(pieces), "tokens": tokens, "finish_reason": finish}
 
+    # --- spoken turns -----------------------------------------------------------------------------------------
+    def _voice(self, args: dict) -> dict:
+        """Turn the conversation on (voice-activity detection on the pushed audio, a reply per utterance, barge-in)
+        or off. Worker thread."""
+        if self.conversation is not None:
+            self.conversation.close()
+            self.conversation = None
+        if not args["enabled"]:
+            return {"type": "voice", "enabled": False}
+        from ..conversation import Conversation
+        from ..vad import UtteranceDetector
+
+        speech = None
+        if args["speak"]:
+            from ..speech import SpeechOptions, SpeechUnavailable, speech_for
+
+            try:
+                with self.manager.gate.step():
+                    speech_for(self.session).voice(args.get("speaker"))
+            except SpeechUnavailable as e:
+                raise ClientError("speech_unavailable", f"this model cannot speak: {e}") from None
+            except ValueError as e:
+                raise ClientError("bad_request", str(e)) from None
+            speech = SpeechOptions(speaker=args.get("speaker"))
+        try:
+            with self.manager.gate.step():  # the conversation warms the session up (imports, speech models)
+                self.conversation = Conversation(
+                    self.session, detector=UtteranceDetector(args["vad"]), speak=args["speak"], speech=speech,
+                    barge_in=args["barge_in"], threaded=True, on_event=self._turn_event, step=self.manager.gate.step,
+                    **args["sampling"])
+        except ValueError as e:
+            raise ClientError("bad_request", str(e)) from None
+        return {"type": "voice", "enabled": True, "speak": args["speak"], "barge_in": args["barge_in"]}
+
+    def _turn_event(self, ev) -> None:
+        """A conversation event (any thread) as WebSocket messages: ``turn`` for the turn's life, ``piece`` and
+        ``audio`` for the reply (id ``turn-N``), like an asked answer's."""
+        rid = f"turn-{ev.turn}"
+        if ev.kind == "reply_text":
+            self.counts["pieces"] += 1
+            self.emit({"type": "piece", "id": rid, "text": ev.text})
+            return
+        if ev.kind == "reply_audio":
+            a = ev.audio
+            self.counts["audio_chunks"] += 1
+            self.emit({"type": "audio", "id": rid, "index": a.index, "format": "pcm_s16le",
+                       "sample_rate": a.sample_rate, "final": a.final, "note": a.note,
+                       "data": base64.b64encode(a.int16().astype("<i2").tobytes()).decode()})
+            return
+        if ev.kind == "reply_started":
+            self.answering = True
+        elif ev.kind in ("reply_done", "reply_interrupted", "turn_error"):
+            self.answering = False
+            self.counts["cancelled_answers" if ev.kind == "reply_interrupted" else "answers"] += 1
+            if ev.kind == "reply_interrupted" and self.conversation is not None and self.conversation.speak:
+                # the docs promise a final audio message last, also for a reply that was cut short
+                self.emit({"type": "audio", "id": rid, "index": -1, "format": "pcm_s16le", "sample_rate": 0,
+                           "final": True, "note": "interrupted", "data": ""})
+        self.emit({"type": "turn", "event": ev.kind, "turn": ev.turn, "id": rid, "t": round(ev.t, 3), **ev.data})
+
     async def close(self) -> None:
         self.closed = True
+        if self.conversation is not None:
+            conv, self.conversation = self.conversation, None
+            await self._loop.run_in_executor(self.manager.executor, conv.close)
         self.cancel_all()
         self._deliver({"type": "session_deleted", "session": self.id})
         self._jobs.put_nowait(None)

@@ -118,7 +118,11 @@ class Inbox:
         records: list[UpdateRecord] = []
         if self._audio_buf.size:
             audio, self._audio_buf = self._audio_buf, np.zeros(0, dtype=np.float32)
-            records += self._media(self._take_frame(), audio)
+            pad = SAMPLE_RATE - audio.size if self._flush_pad else 0
+            if pad:
+                audio = np.concatenate([audio, np.zeros(pad, dtype=np.float32)])
+            records += self._media(self._take_frame(), audio, padding=pad)
+        self._flush_pad = False
         while self._waiting:
             records += self._media(self._take_frame(), self._silence(), silence=True)
         return records
@@ -189,7 +193,7 @@ class Inbox:
         return np.zeros(SAMPLE_RATE, dtype=np.float32)
 
     def _media(self, frame: _Waiting | np.ndarray | None, audio: np.ndarray | None,
-               silence: bool = False) -> list[UpdateRecord]:
+               silence: bool = False, padding: int = 0) -> list[UpdateRecord]:
         """One media unit (``silence``: ``audio`` is padding for a frame whose audio lagged or ended). Its time:
         the frame's own ``t``, else the ``t`` pushed with its audio, else one second after the previous unit."""
         t = None
@@ -207,5 +211,6 @@ class Inbox:
             if silence:
                 c.silence_seconds += audio.shape[0] / SAMPLE_RATE
             else:
-                c.audio_seconds += audio.shape[0] / SAMPLE_RATE
+                c.audio_seconds += (audio.shape[0] - padding) / SAMPLE_RATE
+                c.silence_seconds += padding / SAMPLE_RATE
         return records

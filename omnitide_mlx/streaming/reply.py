@@ -40,7 +40,9 @@ class Replies:
 
     def _begin_reply(self, r: _Reply) -> None:
         """Prefill the question as a unit and open the reply (its tokens will belong to the next uid)."""
-        prepared = self.adapter.user_unit(r.question, self.history.next_position())
+        start = self.history.next_position()
+        prepared = (self.adapter.user_unit(r.question, start) if r.question is not None
+                    else self.adapter.turn_unit(start))
         self._capture_hidden = r.on_forward is not None
         reserve = r.sampling.max_tokens + REPLY_CLOSING_RESERVE if self._max_slots is not None else 0
         if self.recall is not None:  # stored units the question needs come back first (streaming/recall.py)
@@ -118,7 +120,7 @@ class Replies:
             spans = spans_from_runs([(SpanKind.RESPONSE, fed), (SpanKind.BOUNDARY, len(closing))])
             self.history.append(Unit(uid=r.uid, kind=UnitKind.REPLY, spans=tuple(spans),
                                      positions=text_positions(r.start, fed + len(closing), axes),
-                                     label=r.question[:40]))
+                                     label=(r.question or "(spoken)")[:40]))
             self.counters.units += 1
         self._recall_release()  # recalled units leave before retention runs again
         if fed + len(closing):

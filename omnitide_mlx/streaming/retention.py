@@ -104,12 +104,14 @@ class Retention:
             keep = np.asarray(policy.keep_mask(h, scores), dtype=bool).copy()
         else:
             keep = np.ones(h.total_tokens, dtype=bool)
+        pinned = self._pinned_uids()
         offsets = h.offsets()
-        for i, u in enumerate(h):
-            if keep.sum() <= target:
-                break
-            if u.kind is not UnitKind.SYSTEM:
-                keep[offsets[i]:offsets[i] + u.length] = False
+        for held in (False, True):  # whole units oldest first, held units (a spoken turn) only if still over
+            for i, u in enumerate(h):
+                if keep.sum() <= target:
+                    return keep
+                if u.kind is not UnitKind.SYSTEM and (u.uid in pinned) == held:
+                    keep[offsets[i]:offsets[i] + u.length] = False
         return keep
 
     def _prefill(self, prepared: PreparedUnit, alloc_class: AllocClass = AllocClass.RECENT_CONTEXT) -> int:
@@ -147,7 +149,8 @@ class Retention:
         t0 = time.perf_counter()
         evicted = migrated = 0
         scores = self.cache.token_scores(self.history) if self.policy.needs_scores else None
-        plan = self.policy.plan(self.history, scores=scores) if not self._recalled else None  # waits for release
+        plan = (self.policy.plan(self.history, scores=scores, pinned=self._pinned_uids())
+                if not self._recalled else None)  # waits for release
         if plan is not None and plan.tokens_after < plan.tokens_before:
             evicted, migrated = self._apply_retention(plan)
         span = self.cache.layout_stats().physical_span

@@ -315,3 +315,72 @@ def test_spoken_answers_stream_audio_chunks(tmp_path, make_server, data_dir):
     assert msgs[-1]["type"] == "answer_end", msgs[-1]
     assert [m for m in msgs if m["type"] == "audio"][-1]["final"]
     c.close()
+
+
+def _spoken_clip_messages(step_s=0.25):
+    """The bundled spoken-questions soundtrack as audio-only unit messages of ``step_s`` seconds (16-bit PCM)."""
+    import pathlib
+
+    import soundfile as sf
+
+    audio, rate = sf.read(pathlib.Path(__file__).resolve().parents[2] / "assets/media/spoken_questions_10s.flac",
+                          dtype="int16")
+    n = int(step_s * rate)
+    for seq, i in enumerate(range(0, audio.shape[0], n)):
+        pcm = audio[i:i + n].astype("<i2").tobytes()
+        yield {"type": "unit", "seq": 1000 + seq,
+               "audio": {"format": "pcm_s16le", "sample_rate": rate, "data": base64.b64encode(pcm).decode()}}
+
+
+def test_spoken_turns_over_the_websocket(server, http):
+    sid = new_session(http)
+    c = Client(server, sid)
+    c.send({"type": "voice", "hangover": -1})
+    err = c.until(lambda m: m["type"] == "error")[-1]
+    assert err["code"] == "bad_request" and "hangover" in err["message"]
+    c.send({"type": "voice", "enabled": True, "max_tokens": 3})
+    assert c.until(lambda m: m["type"] == "voice")[-1]["enabled"] is True
+    seen = []
+    for msg in _spoken_clip_messages():
+        c.send(msg)
+        seen += c.until(lambda m, s=msg["seq"]: m.get("seq") == s and m["type"] in ("pushed", "error"))
+    c.send({"type": "flush"})
+    seen += c.until(lambda m: m["type"] == "flushed")
+    deadline = time.monotonic() + 60
+    while sum(m.get("event") == "reply_done" for m in seen) < 2 and time.monotonic() < deadline:
+        seen += c.until(lambda m: m["type"] == "turn", timeout=max(1, deadline - time.monotonic()))
+    turns = [m for m in seen if m["type"] == "turn"]
+    events = [m["event"] for m in turns]
+    assert events.count("speech_started") == 2 and events.count("speech_ended") == 2, events
+    assert events.count("reply_done") == 2, events
+    starts = [m["speech_start"] for m in turns if m["event"] == "speech_started"]
+    assert abs(starts[0] - 0.8) < 0.35 and abs(starts[1] - 5.2) < 0.35
+    assert [m["id"] for m in seen if m["type"] == "piece"][:1] == ["turn-1"]
+    assert not [m for m in seen if m["type"] == "error"]
+    c.send({"type": "voice", "enabled": False})
+    assert c.until(lambda m: m["type"] == "voice")[-1]["enabled"] is False
+    c.close()
+
+
+def test_a_client_leaving_mid_turn_loses_nothing_of_the_server(server, http):
+    sid = new_session(http, ephemeral=False)
+    c = Client(server, sid)
+    c.send({"type": "voice", "enabled": True, "max_tokens": 3000, "stop": ["\u0000never"]})
+    c.until(lambda m: m["type"] == "voice")
+    for msg in list(_spoken_clip_messages())[:16]:  # the first question, then silence: a long reply starts
+        c.send(msg)
+        c.until(lambda m, s=msg["seq"]: m.get("seq") == s and m["type"] in ("pushed", "error"))
+    c.until(lambda m: m["type"] == "piece", timeout=60)
+    c.close()  # the client goes away while the reply streams
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = http.get(f"/v1/sessions/{sid}").json()
+        if not info.get("answering"):
+            break
+        time.sleep(0.2)
+    assert not info.get("answering")
+    c2 = Client(server, sid)  # the session is still there and takes a typed question
+    c2.send({"type": "ask", "id": "after", "question": "Still there?", "max_tokens": 2})
+    assert c2.until(lambda m: m["type"] == "answer_end")[-1]["id"] == "after"
+    c2.close()
+    http.delete(f"/v1/sessions/{sid}")

@@ -148,6 +148,15 @@ class MiniCPMOStreamAdapter(StreamAdapter):
         self.in_user_turn = False
         return self._unit(UnitKind.USER, runs, start, label=text[:40])
 
+    def turn_unit(self, start: int) -> PreparedUnit:
+        """A spoken question: the user's words are the audio of the open turn's units (the official turn-based
+        chat hears a spoken question the same way); this closes the turn and opens the reply. MediaError when no
+        media has opened a turn since the last reply."""
+        if not self.in_user_turn:
+            raise MediaError("there is no spoken turn to answer: no media has been streamed since the last reply")
+        self.in_user_turn = False
+        return self._unit(UnitKind.USER, [(SpanKind.BOUNDARY, self.reply_open, None)], start, label="(spoken)")
+
     def finish_reply(self, generated: list[int], stopped: bool) -> list[int]:
         """The reply's closing tokens, whether it stopped on a stop token (never fed, as in the official
         decoder) or ran out of tokens: ``<|tts_eos|><|im_end|>\\n`` (``<|im_end|>\\n`` without the tts

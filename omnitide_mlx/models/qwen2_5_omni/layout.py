@@ -216,6 +216,16 @@ class QwenOmniLayout(StreamAdapter):
         self.turn_open = False
         return unit
 
+    def turn_unit(self, start: int) -> PreparedUnit:
+        """A spoken question: the user's words are the audio of the open turn's media units, as the model hears a
+        spoken question in its chat format (``<|im_start|>user\\n <audio...> <|im_end|>\\n<|im_start|>assistant\\n``);
+        this closes the turn and opens the reply. MediaError when no media has opened a turn since the last reply."""
+        if not self.turn_open:
+            raise MediaError("there is no spoken turn to answer: no media has been streamed since the last reply")
+        unit = self._text_unit(UnitKind.USER, [(SpanKind.BOUNDARY, self.turn_close)], start, label="(spoken)")
+        self.turn_open = False
+        return unit
+
     def context_unit(self, text: str, start: int) -> PreparedUnit:
         if not isinstance(text, str):
             raise TypeError(f"context text must be a string, got {type(text).__name__}")
