@@ -239,9 +239,9 @@ class VoiceConsole:
         self.writer = self.player = None
 
 
-def run_voice(session, args, console: Console, scripted, stop: threading.Event, capture=None) -> None:
+def run_voice(session, args, console: Console, scripted, stop: threading.Event, capture=None) -> dict:
     """--voice: the capture loop pushes through a Conversation (replies on its worker thread); typed or scripted
-    questions are turns too."""
+    questions are turns too. Returns the capture loop's clock (its ``error`` when capture failed)."""
     from omnitide_mlx.conversation import Conversation
     from omnitide_mlx.vad import UtteranceDetector, VADConfig
 
@@ -282,6 +282,7 @@ def run_voice(session, args, console: Console, scripted, stop: threading.Event, 
         stop.set()
         producer.join(timeout=5)
         conv.close()
+    return clock
 
 
 def main(argv=None) -> int:
@@ -341,11 +342,11 @@ def main(argv=None) -> int:
     stop = threading.Event()
     if args.voice:
         try:
-            run_voice(session, args, console, scripted, stop, capture)
+            clock = run_voice(session, args, console, scripted, stop, capture)
         except (ValueError, RuntimeError) as e:
             print(f"live_demo: {e}", file=sys.stderr)
             return 1
-        return _summary(session)
+        return _summary(session, clock)
     clock = {"t": 0.0, "done": False, "error": None}
     producer = threading.Thread(target=capture_loop, args=(session, args, stop, clock, capture), daemon=True)
     producer.start()
@@ -382,10 +383,10 @@ def main(argv=None) -> int:
     finally:
         stop.set()
         producer.join(timeout=5)
-    return _summary(session)
+    return _summary(session, clock)
 
 
-def _summary(session) -> int:
+def _summary(session, clock: dict) -> int:
     s = session.stats()
     print(f"\n{s['units']} units, {s['retained_cells']} tokens retained "
           f"({s['retained_cells'] * s['kv_bytes_per_token'] / 2**20:.2f} MiB; capacity {s['kv_bytes'] / 2**20:.2f} "
