@@ -161,3 +161,7 @@ def test_version_override_and_errors(tmp_path, t2w):
         Token2Wav.load(tiny, version="1.0.6")
     with pytest.raises(ValueError, match="streams through the original HiFT"):
         Token2Wav(t2w.flow, t107.vocoder, version="1.0.6")
+    stream = t2w.start_stream(Voice.load(DATA))  # a first chunk too short for 1.0.6's 3840-sample cross-fade
+    stream.push([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="at least 8 mel frames"):
+        stream.push([5, 6, 7, 8])
