@@ -366,7 +366,8 @@ def minicpm_spoken_reply(session, ask, question: str, speech, options: SpeechOpt
     said, index = "", 0
     # the engine feeds back every generated token and stops before max_tokens + 1: a reply that reached max_tokens
     # tokens was cut by the limit (a terminator is never fed back)
-    limit = ask_kwargs.get("max_tokens", inspect.signature(ask).parameters["max_tokens"].default)
+    params = inspect.signature(ask).parameters
+    limit = ask_kwargs.get("max_tokens", params["max_tokens"].default if "max_tokens" in params else None)
     try:
         for piece in ask(question, on_forward=voicer.on_forward, **ask_kwargs):
             said += piece
@@ -379,7 +380,7 @@ def minicpm_spoken_reply(session, ask, question: str, speech, options: SpeechOpt
             yield AudioChunk(np.zeros(0, np.float32), sr, index, final=True,
                              note="the reply has no text to speak: text only")
             return
-        chunks = voicer.pump(final=True, terminated=len(voicer.ids) < limit)
+        chunks = voicer.pump(final=True, terminated=limit is None or len(voicer.ids) < limit)
         if chunks:
             for j, pcm in enumerate(chunks):
                 yield AudioChunk(pcm, sr, index, final=j == len(chunks) - 1)

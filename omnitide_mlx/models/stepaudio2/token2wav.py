@@ -129,6 +129,21 @@ def _prompt(flow: CausalMaskedDiffWithXvec, voice: Voice) -> tuple[mx.array, mx.
             mx.array(voice.speaker_embedding)[None])
 
 
+def priming_tokens(version: str, prompt_tokens: mx.array, flow: CausalMaskedDiffWithXvec) -> mx.array:
+    """What ``set_stream_cache`` runs the flow on: the prompt tokens plus ``pre_lookahead_len`` (3) tokens of fake
+    lookahead, three 4218 (silence) in 1.0.6, the prompt's first three in 1.0.7."""
+    lookahead = flow.pre_lookahead_len
+    if version == "1.0.6":
+        if SILENCE_TOKEN >= flow.cfg.vocab_size:
+            raise ValueError(f"1.0.6 primes a stream with {lookahead} silence tokens ({SILENCE_TOKEN}); this flow's "
+                             f"vocabulary has {flow.cfg.vocab_size} tokens")
+        return mx.concatenate([prompt_tokens, mx.full((1, lookahead), SILENCE_TOKEN, mx.int32)], axis=1)
+    if prompt_tokens.shape[1] < lookahead:
+        raise ValueError(f"the voice has {prompt_tokens.shape[1]} prompt tokens; the official setup appends its "
+                         f"first {lookahead} as lookahead, so it needs at least {lookahead}")
+    return mx.concatenate([prompt_tokens, prompt_tokens[:, :lookahead]], axis=1)
+
+
 class Token2WavStream:
     """One streamed utterance: ``push(tokens, last=False) -> float32 samples``. Made by ``Token2Wav.start_stream``."""
 
@@ -138,19 +153,8 @@ class Token2WavStream:
         self.owner = owner
         flow = owner.flow
         self.prompt_tokens, self.prompt_mel, self.spk = _prompt(flow, voice)
-        lookahead = flow.pre_lookahead_len
-        if owner.version == "1.0.6":
-            if SILENCE_TOKEN >= flow.cfg.vocab_size:
-                raise ValueError(f"1.0.6 primes a stream with {lookahead} silence tokens ({SILENCE_TOKEN}); this "
-                                 f"flow's vocabulary has {flow.cfg.vocab_size} tokens")
-            fake = mx.concatenate([self.prompt_tokens, mx.full((1, lookahead), SILENCE_TOKEN, mx.int32)], axis=1)
-            self.vocoder = OverlapVocoder(owner.vocoder)
-        else:
-            fake = mx.concatenate([self.prompt_tokens, self.prompt_tokens[:, :lookahead]], axis=1)
-            if fake.shape[1] - lookahead != self.prompt_tokens.shape[1]:
-                raise ValueError(f"the voice has {self.prompt_tokens.shape[1]} prompt tokens; the official setup "
-                                 f"appends its first {lookahead} as lookahead, so it needs at least {lookahead}")
-            self.vocoder = BoundedVocoder(owner.vocoder)
+        fake = priming_tokens(owner.version, self.prompt_tokens, flow)
+        self.vocoder = OverlapVocoder(owner.vocoder) if owner.version == "1.0.6" else BoundedVocoder(owner.vocoder)
         self.cache = flow.setup_cache(fake, self.prompt_mel, self.spk, owner.n_timesteps)
         self.first_chunk = True
         self.finished = False

@@ -872,6 +872,10 @@ class OverlapVocoder:
         noise = None if self.noise is None else self.noise((1, samples, self.model.args.nb_harmonics + 1))
         speech, source = self.model(full, noise=noise, cache_source=c["source"])
         first = c["speech"].shape[1] == 0
+        if not first and c["speech"].shape[1] < self.cache_samples:
+            raise ValueError(f"the 1.0.6 stream cross-fades {self.cache_samples} samples: its first chunk must make at "
+                             f"least {self.mel_cache_frames} mel frames ({self.mel_cache_frames // 2} fresh tokens), "
+                             f"it made {c['speech'].shape[1] // self.hop}")
         if not first:
             n = self.cache_samples
             head = speech[:, :n] * self._fade_in + c["speech"][:, -n:] * self._fade_out
