@@ -3,7 +3,9 @@
 Each request gets its own short-lived session with the ``full`` policy (one request is one bounded context, so
 nothing needs evicting): the system messages become its system prompt, the media parts (``image_url`` as data
 URLs, ``input_audio``) and the earlier turns' text are pushed as units, and the last user message's text is the
-question. The server fetches nothing: remote image URLs are refused.
+question. The server fetches nothing: remote image URLs are refused. ``POST /v1/completions`` asks a plain
+``prompt`` the same way; a spoken answer (``modalities: ["text", "audio"]``) comes as OpenAI's audio output, and
+the options this server does not do (``n`` > 1, tools, structured output, logprobs) are refused, never ignored.
 """
 
 from __future__ import annotations
