@@ -14,10 +14,10 @@ import os
 import re
 from pathlib import Path
 
+from ..core.watermarks import DEFAULT_HIGH, DEFAULT_LOW, LOW_RATIO  # noqa: F401  (the watermark rule's numbers)
 from ..errors import OmniTideError
 
 POLICIES = ["omnitide", "omnipick", "full", "fifo", "token", "streamingllm", "h2o", "eager"]
-from ..core.watermarks import DEFAULT_HIGH, DEFAULT_LOW, LOW_RATIO  # noqa: F401  (the watermark rule's numbers)
 LOW_PCT = f"{LOW_RATIO:.0%}%"  # for argparse help, where % must be doubled
 MAX_KV_BUDGET = 1 << 50  # 1 PiB: anything larger is a typo, not a budget
 
