@@ -33,7 +33,8 @@ import time
 
 from omnitide_mlx.commands.options import (UsageError, add_kv_arguments, add_media_arguments, add_policy_arguments,
                                            add_sampling_arguments, check_output_dir, check_stop_strings, kv_kwargs,
-                                           media_setting, parse_questions, positive_float, resolve_watermarks, sampling_kwargs)
+                                           media_setting, parse_questions, positive_float, resolve_watermarks,
+                                           sampling_kwargs)
 from omnitide_mlx.errors import MediaError, OmniTideError
 
 

@@ -129,6 +129,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _blas_in_use() -> str:
+    from ..blas import blas_info
+
+    return blas_info()["in_use"]
+
+
 def versions() -> dict:
     """Library versions, the machine, the MLX device, and whether OpenBLAS is preloaded (scripts/blas_env.sh)."""
     import numpy
@@ -147,6 +153,7 @@ def versions() -> dict:
         "device": str(mx.default_device()),
         "metal": bool(mx.metal.is_available()),
         "blas_preload": os.environ.get("LD_PRELOAD", ""),
+        "blas": _blas_in_use(),
     }
 
 

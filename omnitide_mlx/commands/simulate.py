@@ -22,8 +22,8 @@ examples:
 """
 
 from ..core.layout import OMNIPAGE_MIGRATIONS
-from .options import (POLICIES, UsageError, add_progress_argument, check_output_file, check_plot_file, non_negative_int,  # noqa: F401
-                      positive_int)
+from .options import (POLICIES, UsageError, add_progress_argument, check_output_file, check_plot_file,  # noqa: F401
+                      non_negative_int, positive_int)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
