@@ -40,7 +40,9 @@ HELP = "voice activity detection: Silero (MLX port) vs WebRTC vs pymicro-vad, ac
 DESCRIPTION = __doc__ + """
 example:
   omnitide bench vad --json docs/img/vad.json --plot docs/img/vad.png --markdown
-  omnitide bench vad --clips 1 --snr 10 --backgrounds pink   # a quick look
+  omnitide bench vad --clips 1 --snr 10 --backgrounds pink --no-echo   # a quick look
+
+The echo / barge-in simulation (with ``--no-echo`` skipped): see bench/vad_echo.py.
 """
 
 SR = 16000
@@ -60,6 +62,7 @@ def add_arguments(p) -> None:
                    help="noises / music, comma-separated (silence is always included)")
     p.add_argument("--cost-seconds", type=float, default=20.0, help="audio seconds each cost timing runs over")
     p.add_argument("--reps", type=int, default=5, help="repetitions of each cost timing (median)")
+    p.add_argument("--no-echo", action="store_true", help="skip the echo / barge-in simulation (bench/vad_echo.py)")
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON")
     p.add_argument("--plot", default=None, help="write the figure (PNG)")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
@@ -345,17 +348,23 @@ def measure(args) -> dict:
             "false_starts_per_min_without_speech": round(noise_false[name]["starts"] / noise_false[name]["minutes"],
                                                          3) if noise_false[name]["minutes"] else None,
         }
+    echo = None
+    if not args.no_echo:
+        from ..vad.silero import SileroVAD
+        from .vad_echo import measure_echo
+
+        echo = measure_echo(SileroVAD.load())
     clean = np.concatenate([c.audio for c in conds[0]["clips"]])
     reps = max(1, int(np.ceil(args.cost_seconds * SR / clean.size)))
     cost_audio = np.tile(clean, reps)[:int(args.cost_seconds * SR)]
     return {
         "benchmark": "vad", "config": {k: getattr(args, k) for k in ("clips", "snr", "backgrounds", "cost_seconds",
-                                                                    "reps")},
+                                                                    "reps", "no_echo")},
         "vad_config": {"threshold": config.threshold, "neg_threshold": config.off_threshold,
                        "min_speech_s": config.min_speech_s, "hangover_s": config.hangover_s,
                        "speech_pad_s": config.speech_pad_s},
         "detectors": list(found), "missing": missing,
-        "conditions": per_condition, "latency": latency, "cost": cost(args, cost_audio),
+        "conditions": per_condition, "latency": latency, "echo": echo, "cost": cost(args, cost_audio),
         "versions": {**versions(), **_package_versions()}, "load_average": {"before": load0, "after": load_average()},
     }
 
@@ -401,6 +410,10 @@ def markdown(result: dict) -> str:
               "| detector | CPU ms per audio second | wall ms per audio second |", "|---|---:|---:|"]
     for n, v in result["cost"]["rows"].items():
         lines.append(f"| {n} | {v['cpu_ms_per_audio_s']} | {v['wall_ms_per_audio_s']} |")
+    if result.get("echo"):
+        from .vad_echo import markdown as echo_markdown
+
+        lines += ["", echo_markdown(result["echo"])]
     return "\n".join(lines)
 
 
