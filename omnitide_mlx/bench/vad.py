@@ -21,7 +21,8 @@ Measured:
 - utterances: every detector's frames through the same ``UtteranceRules`` (``VADConfig`` defaults: 0.1 s of speech
   to start, 0.5 s of silence to end), matched to the questions: onset delay (start decision - voiced start),
   end delay (end decision - voiced end), missed questions, false starts (starts overlapping no question), pooled
-  over the speech conditions at 20 and 10 dB and clean;
+  over clean speech and the noise / music conditions at 20 and 10 dB (babble is other talkers: every detector
+  here hears it as speech, so its utterances are reported per condition only);
 - cost: CPU seconds per second of audio, one detector after another in turn (medians), streaming as a microphone
   would (one frame per call: Silero one 512-sample chunk, WebRTC 30 ms, micro 10 ms) and, for Silero, a whole
   signal in one call (the batch path), NumPy and MLX routes.
@@ -327,13 +328,15 @@ def measure(args) -> dict:
                 for k in m:
                     m[k] += got[k]
             scores = frame_scores(np.concatenate(truth), np.concatenate(pred))
-            scores["utterances"] = {"missed": m["missed"], "false_starts": m["false_starts"],
-                                    "questions": m["questions"]}
+            scores["utterances"] = {
+                "missed": m["missed"], "false_starts": m["false_starts"], "questions": m["questions"],
+                "onset_delay_median_s": round(statistics.median(m["onset"]), 3) if m["onset"] else None,
+                "end_delay_median_s": round(statistics.median(m["end"]), 3) if m["end"] else None}
             row["detectors"][name] = scores
             if not cond["speech"]:
                 noise_false[name]["starts"] += m["false_starts"]
                 noise_false[name]["minutes"] += row["audio_seconds"] / 60
-            elif cond["snr_db"] is None or cond["snr_db"] >= 10:
+            elif cond["background"] != "babble" and (cond["snr_db"] is None or cond["snr_db"] >= 10):
                 for k in m:
                     pooled[name][k] += m[k]
         per_condition.append(row)
@@ -398,7 +401,8 @@ def markdown(result: dict) -> str:
             v = row["detectors"][n][key]
             cells.append("-" if v is None else (f"{v:.3f}" if row["speech"] else f"FPR {v:.3f}"))
         lines.append(f"| {row['name']} | {100 * row['speech_fraction']:.0f} | " + " | ".join(cells) + " |")
-    lines += ["", "Utterances (VADConfig defaults on every detector's frames; clean, 20 and 10 dB pooled):", "",
+    lines += ["", "Utterances (VADConfig defaults on every detector's frames; clean, and white / pink / music at 20 and "
+              "10 dB, pooled):", "",
               "| detector | onset delay median / max (s) | end delay median / max (s) | missed | false starts | "
               "false starts / min, no speech |", "|---|---:|---:|---:|---:|---:|"]
     for n in result["detectors"]:

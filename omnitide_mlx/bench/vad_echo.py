@@ -102,7 +102,7 @@ def measure_echo(model, gate=None, only: tuple[str, ...] | None = None) -> dict:
     }
     setups = {k: v for k, v in setups.items() if only is None or k in only}
     rows = {name: {"echo_trials": 0, "false_barge_ins": 0, "trials_with_false": 0, "barge_in_trials": 0,
-                   "detected": 0, "delays": [], "by_gain": {}} for name in setups}
+                   "detected": 0, "delays": [], "by_gain": {}, "by_user": {}} for name in setups}
     rng = np.random.default_rng(5)
     for k, (p24, p16) in enumerate(zip(played, back)):
         total = REPLY_AT + p16.size / SR + 1.5
@@ -139,9 +139,13 @@ def measure_echo(model, gate=None, only: tuple[str, ...] | None = None) -> dict:
                             hit = [s for s in starts if t_user - 0.2 <= s.decided_at <= t_user + 1.0]
                             row["barge_in_trials"] += 1
                             g["barge_in_trials"] += 1
+                            u = row["by_user"].setdefault(f"user {user_db:g} dB, echo {gain:g} dB",
+                                                          {"detected": 0, "barge_in_trials": 0})
+                            u["barge_in_trials"] += 1
                             if hit:
                                 row["detected"] += 1
                                 g["detected"] += 1
+                                u["detected"] += 1
                                 row["delays"].append(hit[0].decided_at - t_user)
     for row in rows.values():
         d = row.pop("delays")
@@ -159,4 +163,11 @@ def markdown(echo: dict) -> str:
         per = ", ".join(f"{v['false_barge_ins']}/{v['detected']}" for v in r["by_gain"].values())
         lines.append(f"| {name} | {r['false_barge_ins']} ({r['trials_with_false']} of {r['echo_trials']}) | "
                      f"{r['detected']} of {r['barge_in_trials']} | {r['detect_delay_median_s']} | {per} |")
+    gate = echo["setups"].get("speakers, echo gate")
+    if gate:
+        lines += ["", "Barge-ins detected with the echo gate (default margin), by the user's level and the echo's "
+                  "(relative to the reply as played):", "", "| | " + " | ".join(gate["by_user"]) + " |",
+                  "|---|" + "---:|" * len(gate["by_user"]),
+                  "| detected | " + " | ".join(f"{v['detected']} of {v['barge_in_trials']}"
+                                              for v in gate["by_user"].values()) + " |"]
     return "\n".join(lines)
