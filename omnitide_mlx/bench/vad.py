@@ -441,7 +441,7 @@ def plot(result: dict, path: str) -> None:
                                                                   for r in speech], rotation=60, fontsize=7)
     axes[0].set_ylabel("frame F1 (higher is better)")
     axes[0].set_ylim(0, 1)
-    axes[0].legend(fontsize=7, ncol=len(names))
+    axes[0].legend(fontsize=7, ncol=len(names), loc="lower left")
     axes[1].set_xticks(np.arange(len(quiet)) + 0.4 - width / 2, [r["name"] for r in quiet], rotation=60,
                        fontsize=7)
     axes[1].set_ylabel("false-positive rate, no speech (lower is better)")
