@@ -21,7 +21,8 @@ Measured:
 - utterances: every detector's frames through the same ``UtteranceRules`` (``VADConfig`` defaults: 0.1 s of speech
   to start, 0.5 s of silence to end), matched to the questions: onset delay (start decision - voiced start),
   end delay (end decision - voiced end), missed questions, false starts (starts overlapping no question), pooled
-  over the speech conditions at 20 and 10 dB and clean;
+  over clean speech and the noise / music conditions at 20 and 10 dB (babble is other talkers: every detector
+  here hears it as speech, so its utterances are reported per condition only);
 - cost: CPU seconds per second of audio, one detector after another in turn (medians), streaming as a microphone
   would (one frame per call: Silero one 512-sample chunk, WebRTC 30 ms, micro 10 ms) and, for Silero, a whole
   signal in one call (the batch path), NumPy and MLX routes.
@@ -40,7 +41,9 @@ HELP = "voice activity detection: Silero (MLX port) vs WebRTC vs pymicro-vad, ac
 DESCRIPTION = __doc__ + """
 example:
   omnitide bench vad --json docs/img/vad.json --plot docs/img/vad.png --markdown
-  omnitide bench vad --clips 1 --snr 10 --backgrounds pink   # a quick look
+  omnitide bench vad --clips 1 --snr 10 --backgrounds pink --no-echo   # a quick look
+
+The echo / barge-in simulation (with ``--no-echo`` skipped): see bench/vad_echo.py.
 """
 
 SR = 16000
@@ -60,6 +63,7 @@ def add_arguments(p) -> None:
                    help="noises / music, comma-separated (silence is always included)")
     p.add_argument("--cost-seconds", type=float, default=20.0, help="audio seconds each cost timing runs over")
     p.add_argument("--reps", type=int, default=5, help="repetitions of each cost timing (median)")
+    p.add_argument("--no-echo", action="store_true", help="skip the echo / barge-in simulation (bench/vad_echo.py)")
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON")
     p.add_argument("--plot", default=None, help="write the figure (PNG)")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
@@ -324,13 +328,15 @@ def measure(args) -> dict:
                 for k in m:
                     m[k] += got[k]
             scores = frame_scores(np.concatenate(truth), np.concatenate(pred))
-            scores["utterances"] = {"missed": m["missed"], "false_starts": m["false_starts"],
-                                    "questions": m["questions"]}
+            scores["utterances"] = {
+                "missed": m["missed"], "false_starts": m["false_starts"], "questions": m["questions"],
+                "onset_delay_median_s": round(statistics.median(m["onset"]), 3) if m["onset"] else None,
+                "end_delay_median_s": round(statistics.median(m["end"]), 3) if m["end"] else None}
             row["detectors"][name] = scores
             if not cond["speech"]:
                 noise_false[name]["starts"] += m["false_starts"]
                 noise_false[name]["minutes"] += row["audio_seconds"] / 60
-            elif cond["snr_db"] is None or cond["snr_db"] >= 10:
+            elif cond["background"] != "babble" and (cond["snr_db"] is None or cond["snr_db"] >= 10):
                 for k in m:
                     pooled[name][k] += m[k]
         per_condition.append(row)
@@ -345,17 +351,23 @@ def measure(args) -> dict:
             "false_starts_per_min_without_speech": round(noise_false[name]["starts"] / noise_false[name]["minutes"],
                                                          3) if noise_false[name]["minutes"] else None,
         }
+    echo = None
+    if not args.no_echo:
+        from ..vad.silero import SileroVAD
+        from .vad_echo import measure_echo
+
+        echo = measure_echo(SileroVAD.load())
     clean = np.concatenate([c.audio for c in conds[0]["clips"]])
     reps = max(1, int(np.ceil(args.cost_seconds * SR / clean.size)))
     cost_audio = np.tile(clean, reps)[:int(args.cost_seconds * SR)]
     return {
         "benchmark": "vad", "config": {k: getattr(args, k) for k in ("clips", "snr", "backgrounds", "cost_seconds",
-                                                                    "reps")},
+                                                                    "reps", "no_echo")},
         "vad_config": {"threshold": config.threshold, "neg_threshold": config.off_threshold,
                        "min_speech_s": config.min_speech_s, "hangover_s": config.hangover_s,
                        "speech_pad_s": config.speech_pad_s},
         "detectors": list(found), "missing": missing,
-        "conditions": per_condition, "latency": latency, "cost": cost(args, cost_audio),
+        "conditions": per_condition, "latency": latency, "echo": echo, "cost": cost(args, cost_audio),
         "versions": {**versions(), **_package_versions()}, "load_average": {"before": load0, "after": load_average()},
     }
 
@@ -389,7 +401,8 @@ def markdown(result: dict) -> str:
             v = row["detectors"][n][key]
             cells.append("-" if v is None else (f"{v:.3f}" if row["speech"] else f"FPR {v:.3f}"))
         lines.append(f"| {row['name']} | {100 * row['speech_fraction']:.0f} | " + " | ".join(cells) + " |")
-    lines += ["", "Utterances (VADConfig defaults on every detector's frames; clean, 20 and 10 dB pooled):", "",
+    lines += ["", "Utterances (VADConfig defaults on every detector's frames; clean, and white / pink / music at 20 and "
+              "10 dB, pooled):", "",
               "| detector | onset delay median / max (s) | end delay median / max (s) | missed | false starts | "
               "false starts / min, no speech |", "|---|---:|---:|---:|---:|---:|"]
     for n in result["detectors"]:
@@ -401,6 +414,10 @@ def markdown(result: dict) -> str:
               "| detector | CPU ms per audio second | wall ms per audio second |", "|---|---:|---:|"]
     for n, v in result["cost"]["rows"].items():
         lines.append(f"| {n} | {v['cpu_ms_per_audio_s']} | {v['wall_ms_per_audio_s']} |")
+    if result.get("echo"):
+        from .vad_echo import markdown as echo_markdown
+
+        lines += ["", echo_markdown(result["echo"])]
     return "\n".join(lines)
 
 
@@ -424,7 +441,7 @@ def plot(result: dict, path: str) -> None:
                                                                   for r in speech], rotation=60, fontsize=7)
     axes[0].set_ylabel("frame F1 (higher is better)")
     axes[0].set_ylim(0, 1)
-    axes[0].legend(fontsize=7, ncol=len(names))
+    axes[0].legend(fontsize=7, ncol=len(names), loc="lower left")
     axes[1].set_xticks(np.arange(len(quiet)) + 0.4 - width / 2, [r["name"] for r in quiet], rotation=60,
                        fontsize=7)
     axes[1].set_ylabel("false-positive rate, no speech (lower is better)")

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from omnitide_mlx.vad.echo import EchoReference
 from omnitide_mlx.vad.resample import Resampler, check_rate
 from omnitide_mlx.vad.silero import CHUNK, SAMPLE_RATE, SileroState, SileroVAD
 
@@ -44,9 +45,14 @@ class VADConfig:
     hangover_s: float = 0.5
     speech_pad_s: float = 0.03
     max_utterance_s: float = 30.0
+    # the echo gate (vad/echo.py), active only while push_reference has told of playback:
+    echo_delay_s: float = 0.25  # the longest loudspeaker-to-microphone delay covered
+    echo_gain_db: float = -6.0  # the echo's starting gain estimate (worst case; it adapts to the room)
+    echo_margin_db: float = 1.5  # how far above the expected echo a chunk must be to start an utterance
 
     def __post_init__(self):
-        for name in ("threshold", "min_speech_s", "hangover_s", "speech_pad_s", "max_utterance_s"):
+        for name in ("threshold", "min_speech_s", "hangover_s", "speech_pad_s", "max_utterance_s", "echo_delay_s",
+                     "echo_gain_db", "echo_margin_db"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"VADConfig.{name} must be a finite number, got {v!r}")
@@ -55,8 +61,11 @@ class VADConfig:
         if self.neg_threshold is not None and not 0.0 < self.neg_threshold <= self.threshold:
             raise ValueError(f"VADConfig.neg_threshold must be in (0, threshold={self.threshold}], "
                              f"got {self.neg_threshold}")
-        if min(self.min_speech_s, self.hangover_s, self.speech_pad_s) < 0:
-            raise ValueError("VADConfig.min_speech_s, hangover_s and speech_pad_s must be >= 0")
+        if min(self.min_speech_s, self.hangover_s, self.speech_pad_s, self.echo_delay_s, self.echo_margin_db) < 0:
+            raise ValueError("VADConfig.min_speech_s, hangover_s, speech_pad_s, echo_delay_s and echo_margin_db "
+                             "must be >= 0")
+        if self.echo_gain_db > 0:
+            raise ValueError(f"VADConfig.echo_gain_db must be <= 0 dB, got {self.echo_gain_db}")
         if self.max_utterance_s <= max(self.min_speech_s, CHUNK / SAMPLE_RATE):
             raise ValueError(f"VADConfig.max_utterance_s ({self.max_utterance_s}) must exceed min_speech_s and "
                              f"one {CHUNK / SAMPLE_RATE * 1000:.0f} ms chunk")
@@ -108,6 +117,7 @@ class UtteranceDetector:
         self._pos = 0  # 16 kHz samples run through the model (the buffer starts here)
         self._state = SileroState.zeros()
         self._rules = UtteranceRules(self.config)
+        self._echo = _echo(self.config)
         self.last_probs = np.zeros(0, np.float32)  # the probabilities of the last feed's chunks (for plots, tests)
 
     @property
@@ -139,6 +149,13 @@ class UtteranceDetector:
         self._buffer = np.concatenate([self._buffer, self._resampler.push(x)])
         return self._run(final=False)
 
+    def push_reference(self, audio, sample_rate: int, t: float) -> None:
+        """The loudspeaker plays ``audio`` (mono float, any rate) from stream time ``t`` seconds: while it (or its
+        echo, up to ``echo_delay_s`` later) sounds, an utterance starts only on microphone audio louder than the
+        echo explains (vad/echo.py). Audio pushed again for the same time replaces what was queued. Not needed
+        with headphones."""
+        self._echo.push(_check_audio(audio), sample_rate, t)
+
     def flush(self) -> list[SpeechEvent]:
         """End of stream: run the buffered audio (zero-padded to a chunk) and end an open utterance (reason
         "flush"); a candidate not yet long enough is dropped. The detector then takes audio again, at any rate,
@@ -162,7 +179,7 @@ class UtteranceDetector:
             "buffer": self._buffer.copy(), "pos": int(self._pos),
             "context": self._state.context.copy(), "h": self._state.h.copy(), "c": self._state.c.copy(),
             "phase": t.phase, "onset": int(t.onset), "silence_from": int(t.silence_from),
-            "last_end": int(t.last_end),
+            "last_end": int(t.last_end), "echo": self._echo.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -182,13 +199,15 @@ class UtteranceDetector:
                 raise ValueError(f"unknown phase {state['phase']!r}")
             track = _Track(state["phase"], int(state["onset"]), int(state["silence_from"]), int(state["last_end"]))
             buffer = _check_audio(state["buffer"])
+            echo = _echo(config)
+            echo.load_state_dict(state["echo"])
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a saved UtteranceDetector state: {e!r}") from e
         self.config, self._rate, self._resampler = config, rate, resampler
         self._in_samples, self._in_offset = int(state["in_samples"]), float(state["in_offset"])
         self._buffer, self._pos, self._state = buffer, int(state["pos"]), silero
         self._rules = UtteranceRules(config)
-        self._rules.track = track
+        self._rules.track, self._echo = track, echo
 
     # --- internals --------------------------------------------------------------------------------------------
     def _run(self, final: bool) -> list[SpeechEvent]:
@@ -203,11 +222,15 @@ class UtteranceDetector:
         probs, self._state = self.model.run(chunks.reshape(n, CHUNK), self._state)
         real = self._buffer.size if final else n * CHUNK  # samples of real audio in these chunks
         self._buffer = self._buffer[n * CHUNK:] if not final else np.zeros(0, np.float32)
-        self.last_probs = probs
+        self.last_probs = probs  # before the echo gate
         events = []
         for i, p in enumerate(probs):
-            events += self._rules.step(float(p), self._pos + i * CHUNK, self._pos + min((i + 1) * CHUNK, real))
+            start, end = self._pos + i * CHUNK, self._pos + min((i + 1) * CHUNK, real)
+            p = self._echo.gate(chunks[i * CHUNK:(i + 1) * CHUNK], start, end, float(p),
+                                self._rules.track.phase != "speech")
+            events += self._rules.step(p, start, end)
         self._pos += real
+        self._echo.trim(self._pos)
         return events
 
 
@@ -277,6 +300,10 @@ class UtteranceRules:
 def _seconds(samples16: int) -> float:
     """Stream seconds of a 16 kHz position."""
     return samples16 / SAMPLE_RATE
+
+
+def _echo(config: VADConfig) -> EchoReference:
+    return EchoReference(config.echo_delay_s, config.echo_gain_db, config.echo_margin_db)
 
 
 def _check_audio(audio) -> np.ndarray:

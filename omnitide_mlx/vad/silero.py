@@ -155,6 +155,8 @@ def _forward_mlx(model: SileroVAD, windows: np.ndarray, h0: np.ndarray, c0: np.n
         c = mx.sigmoid(f) * c + mx.sigmoid(i) * mx.tanh(g)
         h = mx.sigmoid(o) * mx.tanh(c)
         hs.append(h)
+        if t % 256 == 255:  # a long signal: keep the lazy graph bounded
+            mx.eval(hs[-1], c)
     hs = mx.concatenate(hs, axis=0)
     probs = mx.sigmoid(mx.maximum(hs, 0) @ w["head"] + w["head_b"])
     mx.eval(probs, h, c)

@@ -21,7 +21,7 @@ def test_bench_vad_small(tmp_path):
     out, png = tmp_path / "vad.json", tmp_path / "vad.png"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-m", "omnitide_mlx", "bench", "vad", "--clips", "1", "--snr", "10",
-                        "--backgrounds", "pink", "--cost-seconds", "1", "--reps", "1", "--json", str(out),
+                        "--backgrounds", "pink", "--no-echo", "--cost-seconds", "1", "--reps", "1", "--json", str(out),
                         "--plot", str(png), "--markdown"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| clean speech |" in r.stdout and "CPU ms per audio second" in r.stdout

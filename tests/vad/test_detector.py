@@ -236,3 +236,14 @@ def test_load_state_dict_refuses_garbage(model):
         with pytest.raises(ValueError):
             d.load_state_dict(bad)
     assert d.stream_time == 0 and not d.in_speech
+
+
+def test_reset_forgets_everything(model, speech):
+    clip = np.concatenate([_sil(0.5), speech[:int(0.6 * SR)], _sil(1.0)])
+    d = UtteranceDetector(model=model)
+    d.push_reference(speech[:SR], SR, 0.2)
+    d.feed(np.concatenate([_sil(0.3), speech[:int(1.0 * SR)]]), 44100)  # mid-utterance, another rate
+    assert d.in_speech
+    d.reset()
+    assert d.stream_time == 0 and not d.in_speech
+    assert d.feed(clip, SR) + d.flush() == _run(model, clip)  # as a fresh detector, at 16 kHz
