@@ -18,7 +18,8 @@ from ..core.pick import DEFAULT_HIGH, DEFAULT_LOW, POLICY_NAMES
 from ..errors import OmniTideError
 
 POLICIES = list(POLICY_NAMES)  # core.pick's registry
-LOW_RATIO = DEFAULT_LOW / DEFAULT_HIGH  # low / high when only one number is given (--high alone, --max-kv-size, --kv-budget): 0.72
+# low / high when only one number is given (--high alone, --max-kv-size, --kv-budget): 0.72
+LOW_RATIO = DEFAULT_LOW / DEFAULT_HIGH
 LOW_PCT = f"{LOW_RATIO:.0%}%"  # for argparse help, where % must be doubled
 MAX_KV_BUDGET = 1 << 50  # 1 PiB: anything larger is a typo, not a budget
 

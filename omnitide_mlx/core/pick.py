@@ -27,9 +27,10 @@ from .retention_plan import (
 )
 from .units import History, SpanKind, Unit, UnitKind
 
-__all__ = ["DEFAULT_HIGH", "DEFAULT_LOW", "H2O", "POLICIES", "POLICY_NAMES", "POSITION_MODES", "FullContext", "OmniPick", "OmniTide", "RetentionError",
-           "RetentionPlan", "RetentionPolicy", "StreamingLLM", "TokenSliding", "UnitFIFO", "UnitPlan", "apply_plan",
-           "make_policy", "parse_leftover", "plan_from_mask", "range_shifts"]
+__all__ = ["DEFAULT_HIGH", "DEFAULT_LOW", "H2O", "POLICIES", "POLICY_NAMES", "POSITION_MODES", "FullContext",
+           "OmniPick", "OmniTide", "RetentionError", "RetentionPlan", "RetentionPolicy", "StreamingLLM",
+           "TokenSliding", "UnitFIFO", "UnitPlan", "apply_plan", "make_policy", "parse_leftover", "plan_from_mask",
+           "range_shifts"]
 
 
 # --- policies ---------------------------------------------------------------------------------------------

@@ -46,8 +46,8 @@ def budget_slots(budget_bytes: int, bytes_per_token: int, page_size: int = 64) -
     return budget_bytes // bytes_per_token // page_size * page_size
 
 
-def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = DEFAULT_LOW / DEFAULT_HIGH, *,
-                          page_size: int = 64, low: int | None = None) -> tuple[int, int]:
+def watermarks_for_budget(budget_bytes: int, bytes_per_token: int, low_ratio: float = DEFAULT_LOW / DEFAULT_HIGH,
+                          *, page_size: int = 64, low: int | None = None) -> tuple[int, int]:
     """High / low watermarks (tokens) under a KV budget: users think in memory.
 
     The budget pays for ``budget_slots`` slots (whole pages); the cache never grows past them. ``high`` sits
