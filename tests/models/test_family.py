@@ -60,6 +60,8 @@ def test_every_family_streams_a_unit_through_its_tiny_checkpoint(tiny, name):
     fam = get_family(name)
     path, config, (model, processor) = tiny[name]
     assert family_of(model) == name  # what a saved session records
+    alone = fam.processor(path)  # the record's processor, without the weights: the same tokens
+    assert _encoder(alone)("What is the code?") == _encoder(processor)("What is the code?")
     session = OmniSession((model, processor), policy="omnitide", high=4000, low=3000)
     start = session.history.next_position()
     rng = np.random.default_rng(0)
