@@ -48,8 +48,10 @@ TINY_PROFILE = ModelProfile(
         (SpanKind.BOUNDARY, 2)]),
     notes="benchmark smoke tests only")
 
-# the real shapes (the family records', one per profile) and the CI one
-SHAPES: dict[str, ModelShape] = {**{n: p.shape for n, p in profiles().items()}, "tiny": TINY_SHAPE}
+# the real shapes (the family records', one per profile of a family that builds its language model at a shape) and
+# the CI one
+SHAPES: dict[str, ModelShape] = {**{n: p.shape for n, p in profiles().items()
+                                    if get_family(p.family).language_model is not None}, "tiny": TINY_SHAPE}
 
 
 def profile_for(shape: str, setting: MediaSetting | str | None = None) -> ModelProfile:

@@ -1,8 +1,8 @@
 """What a KV budget has to hold, read from a checkpoint's files without loading it: the KV bytes per token from
 config.json (layers, KV heads, head dim), the safetensors headers (the dtype the weights, and so the K/V, are held
 in) and ``--kv-bits``; the media unit from the model's own unit layout (``models/<family>/layout.py``, the code the
-adapters build units with) at the stream's frame size, both through the family record's ``checkpoint_units``. No MLX, no weights: the CLI checks ``--kv-budget`` with it
-before the "loading" line.
+adapters build units with) at the stream's frame size, both through the family record's ``checkpoint_units``. No
+MLX, no weights: the CLI checks ``--kv-budget`` with it before the "loading" line.
 """
 
 from __future__ import annotations

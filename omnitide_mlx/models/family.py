@@ -32,6 +32,7 @@ class ModelFamily:
     display: str
     framing: ChatFraming  # the boundary tokens around a question and a reply (core/profiles.py)
     load: Callable[..., tuple]  # load(path, config: dict | None, **kw) -> (model, processor)
+    processor: Callable[[Path], Any] | None = None  # the processor (tokenizer + media preprocessing) of a checkpoint
     model_types: tuple[str, ...] = ()  # config.json "model_type" values ``omnitide_mlx.load`` hands to ``load``
     hub_ids: tuple[str, ...] = ()  # released checkpoints the port is written for
     profiles: tuple[ModelProfile, ...] = ()  # shapes, default watermarks and OmniPick knobs, as the simulator runs them

@@ -1,6 +1,6 @@
 """Names and constants of ``omnitide bench stream``: the variants, their groupings, the goals and the paper's
-figures, and the pure helpers on variant names. Imports no array framework (the policy names are core.pick's): the plots, the goals and the
-variants all read these, so no two of them have to import each other."""
+figures, and the pure helpers on variant names. Imports no array framework (the policy names are core.pick's): the
+plots, the goals and the variants all read these, so no two of them have to import each other."""
 
 from __future__ import annotations
 

@@ -27,6 +27,14 @@ def load(path: Path, config: dict | None = None, **kw):
     return load_gguf(path, **kw)
 
 
+def processor(path: Path):
+    """The GGUF file's own tokenizer."""
+    from .gguf_file import open_gguf, read_tokenizer_fields
+    from .tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(read_tokenizer_fields(open_gguf(path)))
+
+
 def write_tiny(dst: Path) -> Path:
     """A tiny random llama GGUF (Q4_1 weights, a small trained BPE vocabulary with the ChatML markers)."""
     from .tiny import write_tiny_gguf
@@ -37,7 +45,7 @@ def write_tiny(dst: Path) -> Path:
 
 
 FAMILY = ModelFamily(
-    name=NAME, display="Llama (GGUF, text)", framing=FRAMING, load=load,
+    name=NAME, display="Llama (GGUF, text)", framing=FRAMING, load=load, processor=processor,
     hub_ids=("HuggingFaceTB/SmolLM2-135M-Instruct",), write_tiny=write_tiny,
     model_classes=("omnitide_mlx.models.llama_gguf.model:Model",),
     notes="text streams only: transcripts, logs; the retention policies on real attention")

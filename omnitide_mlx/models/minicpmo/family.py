@@ -55,6 +55,12 @@ def load(path: Path, config: dict, **kw):
     return load_model(Path(path), config, **kw)
 
 
+def processor(path: Path):
+    from .processor import MiniCPMOProcessor
+
+    return MiniCPMOProcessor.from_pretrained(Path(path))
+
+
 def stream_units(setting, **layout_kw):
     from .layout import stream_units as units
 
@@ -107,7 +113,7 @@ def write_tiny(dst: Path) -> Path:
 
 
 FAMILY = ModelFamily(
-    name=NAME, display="MiniCPM-o", framing=FRAMING, load=load, model_types=("minicpmo",),
+    name=NAME, display="MiniCPM-o", framing=FRAMING, load=load, processor=processor, model_types=("minicpmo",),
     hub_ids=("openbmb/MiniCPM-o-4_5",), profiles=PROFILES, stream_units=stream_units,
     checkpoint_units=checkpoint_units, language_model=language_model, voicer=voicer, write_tiny=write_tiny,
     model_classes=("omnitide_mlx.models.minicpmo.model:Model",))

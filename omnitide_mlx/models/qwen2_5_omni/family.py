@@ -53,6 +53,12 @@ def load(path: Path, config: dict, **kw):
     return load_model(Path(path), config, **kw)
 
 
+def processor(path: Path):
+    from .processor import Processor
+
+    return Processor.from_pretrained(Path(path))
+
+
 def stream_units(setting, **layout_kw):
     from .layout import stream_units as units
 
@@ -120,7 +126,7 @@ def write_tiny(dst: Path) -> Path:
 
 
 FAMILY = ModelFamily(
-    name=NAME, display="Qwen2.5-Omni", framing=FRAMING, load=load,
+    name=NAME, display="Qwen2.5-Omni", framing=FRAMING, load=load, processor=processor,
     model_types=("qwen2_5_omni", "qwen2_5_omni_thinker"),
     hub_ids=("Qwen/Qwen2.5-Omni-7B", "Qwen/Qwen2.5-Omni-3B"),
     profiles=PROFILES, stream_units=stream_units, checkpoint_units=checkpoint_units,
