@@ -33,7 +33,7 @@ COST_KEYS = ("probe_ms", "score_ms", "rerotate_ms", "copy_ms", "release_ms")
 
 def run(shape: str, layers: int, units: int, questions: int, max_tokens: int, recall: str,
         recall_tokens: int | None, kv_bits: int | None = None, policy: str = "omnitide") -> dict:
-    model = ShapeTrueModel(shape, layers=layers)
+    model = ShapeTrueModel(shape, layers=layers, setting="paper")  # the paper's units (MiniCPM-o 4.5: 675 tokens)
     quant = {"kv_bits": kv_bits} if kv_bits else {}
     plain = OmniSession(model, policy=policy, **quant)
     with_recall = OmniSession(model, policy=policy, recall=recall, recall_tokens=recall_tokens, **quant)
