@@ -181,6 +181,8 @@ class Decoder:
         else:
             token = self.draw(_softmax(top_k_top_p(x / np.float32(c.temperature), c.top_k, c.top_p)))
         self.history.append(token)
+        if len(self.history) > 2 * c.repetition_window:  # only the window is read: bounded for an hour-long session
+            del self.history[:-c.repetition_window]
         return token
 
 
@@ -278,7 +280,7 @@ class DuplexSession:
         self.current_turn_ended = True
         self.units_generated = 0
         self.tts_cache, self.tts_text_start_pos = None, 0
-        self.t2w_windows: list[tuple[list[int], bool]] = []  # every (tokens, last) token2wav push, in order
+        self.t2w_windows: list[tuple[list[int], bool]] = []  # every (tokens, last) token2wav push (record=True)
         self._reset_token2wav()
 
     def _reset_token2wav(self) -> None:
@@ -605,7 +607,8 @@ class DuplexSession:
         return wav
 
     def _push(self, tokens: list[int], last: bool) -> np.ndarray:
-        self.t2w_windows.append((list(tokens), last))
+        if self.record:
+            self.t2w_windows.append((list(tokens), last))
         if self.t2w_stream is None:
             return np.zeros(0, np.float32)
         return self.t2w_stream.push(tokens, last=last)

@@ -206,6 +206,25 @@ def test_retention_policy_bounds_the_cache_and_keeps_unit_classes(tiny):
         DuplexSession(model, processor, window=BasicWindow(), retention=policy, generate_audio=False)
 
 
+@pytest.mark.slow
+def test_long_session_state_stays_bounded(duplex_model):
+    """40 units (the mel buffer slides at 30 s; the tiny Whisper table of 300 frames restarts every 5 units) with
+    retention at 300 / 200: the LLM cache, the Whisper cache, the mel and audio buffers, the history and the
+    decoder's repetition history all stay bounded (the history in tokens, as the cache)."""
+    model, processor = duplex_model
+    s = DuplexSession(model, processor, DuplexDecoding(mode="greedy"), generate_audio=False,
+                      retention=make_policy("omnipick", high=300, low=200))
+    s.prepare("<|im_start|>system\nYou are a helpful assistant.", "<|im_end|>")
+    for u in range(40):
+        s.streaming_prefill(audio=make_audio(u), frames=[make_frame(u)] if u % 4 == 0 else None)
+        r = s.streaming_generate()
+        assert r.kv_length <= 300 and s.history.total_tokens == s.kv_length
+        assert s.audio_cache.length < 300 and len(s.audio_buffer) == 80
+        assert len(s.mel.buffer) <= 31 * 16000  # slides 10 s once it holds 30 s
+        assert len(s.decoder.history) <= 2 * s.cfg.repetition_window
+    assert s.whisper_resets >= 6 and s.mel.base > 0 and s.dropped_tokens > 0
+
+
 def test_top_k_top_p_keeps_the_first_token_past_p():
     x = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
     out = top_k_top_p(x, top_k=0, top_p=0.7)
