@@ -70,7 +70,7 @@ def main():
         audio = (0.1 * np.sin(2 * np.pi * (150 + 25 * (u % 37)) * t) + 0.02 * rng.standard_normal(16000))
         frame = rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)
         t0 = time.perf_counter()
-        s.streaming_prefill(audio=audio.astype(np.float32), frames=[frame])
+        s.streaming_prefill(audio_waveform=audio.astype(np.float32), frame_list=[frame])
         t1 = time.perf_counter()
         r = s.streaming_generate()
         t2 = time.perf_counter()
