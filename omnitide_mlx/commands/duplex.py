@@ -149,7 +149,8 @@ def run(args) -> int:
     try:
         for chunk in media:
             t0 = time.perf_counter()
-            session.streaming_prefill(audio=chunk.audio, frames=[chunk.frame] if chunk.frame is not None else None)
+            frames = [chunk.frame] if chunk.frame is not None else None
+            session.streaming_prefill(audio_waveform=chunk.audio, frame_list=frames)
             t1 = time.perf_counter()
             unit = session.streaming_generate()
             t2 = time.perf_counter()

@@ -31,7 +31,7 @@ official class casts to bfloat16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import mlx.core as mx
@@ -50,6 +50,10 @@ T2W_CHUNK, SILENCE_TOKEN, SILENCE_PREFIX = 25, 4218, 3  # _generate_waveform_fro
 T2W_SAMPLE_RATE = 24000
 
 Draw = Callable[[np.ndarray], int]  # probabilities -> a token id (replaces the random draw, e.g. a replay)
+OFFICIAL_ARGS = {"decode_mode": "mode", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                 "listen_prob_scale": "listen_prob_scale", "listen_top_k": "listen_top_k",
+                 "text_repetition_penalty": "repetition_penalty", "text_repetition_window_size": "repetition_window",
+                 "max_new_speak_tokens_per_chunk": "max_new_speak_tokens_per_chunk"}  # streaming_generate's names
 
 
 @dataclass
@@ -104,6 +108,7 @@ class DuplexUnit:
     text: str = ""
     end_of_turn: bool = False
     ids: list[int] = field(default_factory=list)  # every id fed after the unit's input, </unit> included
+    text_ids: list[int] = field(default_factory=list)  # the ids whose (id, hidden) pairs went to the TTS
     tts_tokens: list[int] = field(default_factory=list)  # this unit's audio tokens (speaking units)
     audio: np.ndarray | None = None  # 24 kHz float32 when a token2wav is attached and audio became final
     kv_length: int = 0  # after the unit (and after the window's drops)
@@ -115,6 +120,13 @@ class DuplexUnit:
     @property
     def decision(self) -> str:
         return "listen" if self.is_listen else "speak"
+
+    def to_dict(self) -> dict:
+        """The official result's fields (``audio_waveform``: None without audio; the official listen answer is a
+        second of 24 kHz silence)."""
+        return {"is_listen": self.is_listen, "text": self.text, "end_of_turn": self.end_of_turn,
+                "audio_waveform": self.audio, "n_tokens": len(self.text_ids),
+                "n_tts_tokens": len(self.tts_tokens)}
 
 
 # --- decoding (StreamDecoder.decode, utils.py:2087-2200) ----------------------------------------------------------
@@ -144,9 +156,9 @@ def top_k_top_p(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
 class Decoder:
     """The decision rule of one session: its repetition history spans every unit since ``prepare``."""
 
-    def __init__(self, ids: dict[str, int], forbidden: list[int], cfg: DuplexDecoding, rng: np.random.Generator,
+    def __init__(self, ids: dict[str, int], forbidden: list[int], rng: np.random.Generator,
                  draw: Draw | None = None):
-        self.ids, self.cfg, self.rng, self._draw = ids, cfg, rng, draw
+        self.ids, self.rng, self._draw = ids, rng, draw
         self.forbidden = np.asarray(sorted(set(forbidden) | {ids["chunk_eos"]}), dtype=np.int64)
         self.history: list[int] = []  # StreamDecoder.generated_tokens
 
@@ -155,8 +167,8 @@ class Decoder:
             return int(self._draw(probs))
         return int(self.rng.choice(probs.size, p=probs))
 
-    def __call__(self, logits: np.ndarray) -> int:
-        c, ids = self.cfg, self.ids
+    def __call__(self, logits: np.ndarray, c: DuplexDecoding) -> int:
+        ids = self.ids
         x = logits.astype(np.float32).copy()
         # the raw pick first: a <|chunk_eos|> there ends the unit before any mask or penalty
         first = int(np.argmax(x)) if c.mode == "greedy" else self.draw(_softmax(x))
@@ -181,6 +193,8 @@ class Decoder:
         else:
             token = self.draw(_softmax(top_k_top_p(x / np.float32(c.temperature), c.top_k, c.top_p)))
         self.history.append(token)
+        if len(self.history) > 2 * c.repetition_window:  # only the window is read: bounded for an hour-long session
+            del self.history[:-c.repetition_window]
         return token
 
 
@@ -262,7 +276,7 @@ class DuplexSession:
     def _reset(self) -> None:
         """``_reset_streaming_state`` + ``StreamDecoder.reset`` + ``init_streaming_processor``."""
         self.cache = self.lm.make_cache()
-        self.decoder = Decoder(self.ids, self.forbidden, self.cfg, self.rng, self._draw)
+        self.decoder = Decoder(self.ids, self.forbidden, self.rng, self._draw)
         self.preserve_length = 0
         self.unit_lengths: list[int] = []  # tokens of each unit still in the cache, oldest first
         self.history = History()  # the cache's units and their spans (retention plans work on it)
@@ -278,7 +292,7 @@ class DuplexSession:
         self.current_turn_ended = True
         self.units_generated = 0
         self.tts_cache, self.tts_text_start_pos = None, 0
-        self.t2w_windows: list[tuple[list[int], bool]] = []  # every (tokens, last) token2wav push, in order
+        self.t2w_windows: list[tuple[list[int], bool]] = []  # every (tokens, last) token2wav push (record=True)
         self._reset_token2wav()
 
     def _reset_token2wav(self) -> None:
@@ -332,17 +346,18 @@ class DuplexSession:
             + (suffix_system_prompt or "")
 
     # --- streaming_prefill (modeling_minicpmo.py:2640-3011) -------------------------------------------------------
-    def streaming_prefill(self, audio: np.ndarray | None = None, frames: list | None = None,
-                          text: str | list[str] | None = None, max_slice_nums: int | list[int] = 1) -> str:
+    def streaming_prefill(self, audio_waveform: np.ndarray | None = None, frame_list: list | None = None,
+                          text_list: str | list[str] | None = None, max_slice_nums: int | list[int] = 1) -> str:
         """Feed one unit: ``<unit>``, each frame (``<image>`` 64 ``</image>`` + ``<slice>`` 64 ``</slice>`` per
         slice), 10 audio embeddings (no markers) from this call's audio plus what is buffered, then the text.
         The decision logits are those of the last audio position (of the last frame position in a unit without
         audio, of the last text token in a text-only unit). Returns the unit's mode: AUDIO / VISION / OMNI / TEXT.
         ``MediaError`` before anything is fed when the input is empty or malformed or the audio does not fill a
-        chunk."""
-        frames = list(frames) if frames is not None else []
+        chunk. The argument names are the official ones (frames: PIL images or HxWx3 uint8 arrays)."""
+        frames = list(frame_list) if frame_list is not None else []
+        audio = audio_waveform
         has_audio = audio is not None and len(audio) > 0
-        texts = ([text] if isinstance(text, str) else list(text)) if text is not None else []
+        texts = ([text_list] if isinstance(text_list, str) else list(text_list)) if text_list is not None else []
         text_ids = self.tok.encode("".join(texts)) if texts else []
         mode = "OMNI" if frames and has_audio else "VISION" if frames else "AUDIO" if has_audio else \
             "TEXT" if texts else None
@@ -424,18 +439,25 @@ class DuplexSession:
         return tokens
 
     # --- streaming_generate (modeling_minicpmo.py:3014-3268) ------------------------------------------------------
-    def streaming_generate(self) -> DuplexUnit:
+    def streaming_generate(self, **overrides) -> DuplexUnit:
         """Decide, decode the unit's reply, close it with ``</unit>``; a speaking unit's tokens go to the TTS and its
-        audio tokens to token2wav. Without a pending decision (no unit prefilled) the answer is listen, nothing fed."""
+        audio tokens to token2wav. Without a pending decision (no unit prefilled) the answer is listen, nothing fed.
+        ``overrides``: the official call's decoding arguments for this unit (``decode_mode``, ``temperature``,
+        ``top_k``, ``top_p``, ``listen_prob_scale``, ``listen_top_k``, ``text_repetition_penalty``,
+        ``text_repetition_window_size``, ``max_new_speak_tokens_per_chunk``)."""
+        unknown = set(overrides) - set(OFFICIAL_ARGS)
+        if unknown:
+            raise TypeError(f"unknown streaming_generate arguments: {', '.join(sorted(unknown))}")
+        cfg = replace(self.cfg, **{OFFICIAL_ARGS[k]: v for k, v in overrides.items()}) if overrides else self.cfg
         if self.pending_logits is None:
             return DuplexUnit(is_listen=True, kv_length=self.kv_length)
         logits, self.pending_logits = self.pending_logits, None
-        force_listen = self.units_generated < self.cfg.force_listen_count
+        force_listen = self.units_generated < cfg.force_listen_count
         self.units_generated += 1
         ids = self.ids
         unit = DuplexUnit(is_listen=False)
         pairs: list[tuple[int, mx.array]] = []  # (token, hidden) for the TTS: every fed token but the first
-        steps = self.cfg.max_new_speak_tokens_per_chunk
+        steps = cfg.max_new_speak_tokens_per_chunk
         for j in range(steps):
             if j == steps - 1:  # the last step: <|chunk_eos|> is forced
                 self._feed(self._embed([ids["chunk_eos"]]))
@@ -446,7 +468,7 @@ class DuplexSession:
             if force_listen:
                 token = ids["listen"]
             else:
-                token = self.decoder(logits)
+                token = self.decoder(logits, cfg)
                 if token == ids["listen"] and not self.current_turn_ended:
                     token = ids["tts_bos"]  # no listening in the middle of a turn
             unit.ids.append(token)
@@ -463,7 +485,7 @@ class DuplexSession:
                 pairs.append((token, h))
         self._feed(self._embed([ids["unit_end"]]))
         unit.ids.append(ids["unit_end"])
-        text_ids = [t for t, _ in pairs]
+        text_ids = unit.text_ids = [t for t, _ in pairs]
         unit.text = self.tok.decode(text_ids, skip_special_tokens=True) if text_ids else ""
         self._register_unit(unit)
         if self.window is not None:
@@ -605,7 +627,8 @@ class DuplexSession:
         return wav
 
     def _push(self, tokens: list[int], last: bool) -> np.ndarray:
-        self.t2w_windows.append((list(tokens), last))
+        if self.record:
+            self.t2w_windows.append((list(tokens), last))
         if self.t2w_stream is None:
             return np.zeros(0, np.float32)
         return self.t2w_stream.push(tokens, last=last)

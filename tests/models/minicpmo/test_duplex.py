@@ -48,18 +48,18 @@ def duplex_model(tmp_path_factory, golden):
     return load(ckpt, dtype=mx.float32)
 
 
-def run(model, processor, spec: dict, **kw):
+def run(model, processor, spec: dict, generate: dict | None = None, **kw):
     s = DuplexSession(model, processor, record=True, **kw)
     ref = make_audio(spec["ref_audio"]) if spec["ref_audio"] is not None else None
     prompt = s.prepare(spec["prefix"], spec["suffix"], ref_audio=ref)
     units = []
     for unit in spec["units"]:
         inp = unit["inputs"]
-        mode = s.streaming_prefill(audio=make_audio(inp["audio"]) if "audio" in inp else None,
-                                   frames=[make_frame(inp["frame"])] if "frame" in inp else None,
-                                   text=inp.get("text"))
+        mode = s.streaming_prefill(audio_waveform=make_audio(inp["audio"]) if "audio" in inp else None,
+                                   frame_list=[make_frame(inp["frame"])] if "frame" in inp else None,
+                                   text_list=inp.get("text"))
         windows_before = len(s.t2w_windows)
-        r = s.streaming_generate()
+        r = s.streaming_generate(**(generate or {}))
         units.append((mode, r, s.audio_cache.length, s.t2w_windows[windows_before:]))
     return s, prompt, units
 
@@ -84,6 +84,7 @@ def check_unit_protocol(name, spec, units, arrays):
         assert r.kv_length == ref["kv_length"], where
         assert whisper == ref["whisper_length"], where
         assert r.tts_tokens == ref["tts_tokens"], where
+        assert r.to_dict()["n_tts_tokens"] == ref["n_tts_tokens"], where
         assert [[list(w), last] for w, last in windows] == ref["t2w_calls"], where
 
 
@@ -92,7 +93,9 @@ def test_greedy_session_matches_official(duplex_model, golden):
     g, arrays = golden
     spec = g["sessions"]["greedy"]
     model, processor = duplex_model
-    s, prompt, units = run(model, processor, spec, decoding=DuplexDecoding(mode="greedy", tts_greedy=True))
+    # the official call: the session's default (sampling) decoding, greedy asked for per unit
+    s, prompt, units = run(model, processor, spec, generate={"decode_mode": "greedy"},
+                           decoding=DuplexDecoding(tts_greedy=True))
     assert prompt == spec["prepare"]["prompt"]
     assert s.preserve_length == spec["prepare"]["preserve_length"] == spec["prepare"]["kv_length"]
     check_unit_protocol("greedy", spec, units, arrays)
@@ -185,7 +188,7 @@ def test_retention_policy_bounds_the_cache_and_keeps_unit_classes(tiny):
     policy.plan = plan
     s.prepare("<|im_start|>system\nYou are a helpful assistant.", "<|im_end|>")
     for u in range(10):
-        s.streaming_prefill(audio=make_audio(u), frames=[make_frame(u)] if u % 3 == 0 else None)
+        s.streaming_prefill(audio_waveform=make_audio(u), frame_list=[make_frame(u)] if u % 3 == 0 else None)
         n_plans = len(applied)
         r = s.streaming_generate()
         assert s.history.total_tokens == s.kv_length == s.history.next_position() <= 200
@@ -206,6 +209,25 @@ def test_retention_policy_bounds_the_cache_and_keeps_unit_classes(tiny):
         DuplexSession(model, processor, window=BasicWindow(), retention=policy, generate_audio=False)
 
 
+@pytest.mark.slow
+def test_long_session_state_stays_bounded(duplex_model):
+    """40 units (the mel buffer slides at 30 s; the tiny Whisper table of 300 frames restarts every 5 units) with
+    retention at 300 / 200: the LLM cache, the Whisper cache, the mel and audio buffers, the history and the
+    decoder's repetition history all stay bounded (the history in tokens, as the cache)."""
+    model, processor = duplex_model
+    s = DuplexSession(model, processor, DuplexDecoding(mode="greedy"), generate_audio=False,
+                      retention=make_policy("omnipick", high=300, low=200))
+    s.prepare("<|im_start|>system\nYou are a helpful assistant.", "<|im_end|>")
+    for u in range(40):
+        s.streaming_prefill(audio_waveform=make_audio(u), frame_list=[make_frame(u)] if u % 4 == 0 else None)
+        r = s.streaming_generate()
+        assert r.kv_length <= 300 and s.history.total_tokens == s.kv_length
+        assert s.audio_cache.length < 300 and len(s.audio_buffer) == 80
+        assert len(s.mel.buffer) <= 31 * 16000  # slides 10 s once it holds 30 s
+        assert len(s.decoder.history) <= 2 * s.cfg.repetition_window
+    assert s.whisper_resets >= 6 and s.mel.base > 0 and s.dropped_tokens > 0
+
+
 def test_top_k_top_p_keeps_the_first_token_past_p():
     x = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
     out = top_k_top_p(x, top_k=0, top_p=0.7)
@@ -219,17 +241,19 @@ def test_bad_units_are_refused_before_anything_is_fed(tiny):
     s = DuplexSession(model, processor, generate_audio=False)
     s.prepare("<|im_start|>system\nhi<|im_end|>\n")
     n = s.kv_length
+    with pytest.raises(TypeError, match="unknown streaming_generate arguments: nope"):
+        s.streaming_generate(nope=1)
     with pytest.raises(MediaError, match="needs audio, frames or text"):
         s.streaming_prefill()
     with pytest.raises(MediaError, match="NaN"):
-        s.streaming_prefill(audio=np.full(16000, np.nan, np.float32))
+        s.streaming_prefill(audio_waveform=np.full(16000, np.nan, np.float32))
     assert s.kv_length == n
-    s.streaming_prefill(audio=make_audio(0))
+    s.streaming_prefill(audio_waveform=make_audio(0))
     s.streaming_generate()
     n = s.kv_length
     with pytest.raises(MediaError, match="audio not enough"):
-        s.streaming_prefill(audio=make_audio(1)[:8000])
+        s.streaming_prefill(audio_waveform=make_audio(1)[:8000])
     assert s.streaming_generate().is_listen and s.kv_length == n  # no unit pending: listen, nothing fed
     assert len(s.audio_buffer) == 80 + 8000  # the short audio is kept for the next unit
-    s.streaming_prefill(audio=make_audio(1)[8000:])
+    s.streaming_prefill(audio_waveform=make_audio(1)[8000:])
     assert s.kv_length == n + 11 and len(s.audio_buffer) == 80  # <unit> + 10 audio embeddings
