@@ -259,17 +259,23 @@ PREPROCESSOR_CONFIG = {  # the released preprocessor_config.json's fields
 
 
 def make_tiny_checkpoint(dst, *, tokenizer_dir, seed: int = 0, prefix: bool = True, extra_keys: bool = True,
-                         **sizes) -> Path:
+                         speech: bool = True, **sizes) -> Path:
     """Write a random tiny Qwen3-Omni checkpoint to ``dst`` (a folder) and return its path.
 
     ``tokenizer_dir``: a folder with the Qwen2 ``vocab.json`` + ``merges.txt`` (tests/data/tokenizers/qwen2).
     ``prefix`` / ``extra_keys``: the released layout (``thinker.`` names, every talker and code2wav tensor); turn
-    them off for a bare-thinker checkpoint. ``sizes``: the keywords of :func:`tiny_config`."""
+    them off for a bare-thinker checkpoint. ``speech=False``: the -Thinking layout (no talker_config /
+    code2wav_config, ``enable_audio_output`` false, no talker or code2wav tensors). ``sizes``: the keywords of
+    :func:`tiny_config`."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**sizes)
+    if not speech:
+        config = {k: v for k, v in config.items() if k not in ("talker_config", "code2wav_config")}
+        config["enable_audio_output"] = False
+        extra_keys = False
     if not prefix:
         config = dict(config["thinker_config"], architectures=["Qwen3OmniMoeThinkerForConditionalGeneration"])
     rng = np.random.default_rng(seed)

@@ -147,3 +147,17 @@ def test_transformers_talker_drops_use_audio_in_video(q3, hf_full, speech):
     _, codes, _ = generate(model, speech, inputs, thinker_max_new_tokens=6, talker_max_new_tokens=9,
                            eos_ids=(THINKER_EOS,))
     assert not np.array_equal(codes, ref)
+
+
+def test_thinking_layout_loads_without_speech(tmp_path, q3_tokenizer_dir, q3):
+    """A -Thinking style folder (no talker or Code2Wav) loads the same thinker and says clearly it cannot speak."""
+    from omnitide_mlx.models.loading import CheckpointError
+    from omnitide_mlx.models.qwen3_omni import load
+    from omnitide_mlx.models.qwen3_omni.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "thinking", tokenizer_dir=q3_tokenizer_dir, speech=False)
+    model, proc = load(ckpt)
+    ids = proc("<|im_start|>user\nHi<|im_end|>\n")["input_ids"]
+    np.testing.assert_array_equal(np.array(model(ids)), np.array(q3[0](ids)))
+    with pytest.raises(CheckpointError, match="no talker_config"):
+        load_speech(ckpt, json.loads((ckpt / "config.json").read_text()))
