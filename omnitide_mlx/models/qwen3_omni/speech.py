@@ -58,18 +58,21 @@ class Speech:
         return pos[:, 0]
 
     def reply(self, model, inputs: dict, generated: list[int], speaker: str = "Ethan", *,
-              max_new_tokens: int = 4096, eos_ids=None, stream_joins: bool = True) -> tuple[np.ndarray, np.ndarray]:
+              max_new_tokens: int = 4096, eos_ids=None, stream_joins: bool = True, sampling=None,
+              predictor_sampling=None) -> tuple[np.ndarray, np.ndarray]:
         """(codes ``[num_code_groups, frames]``, waveform ``[samples]`` float32 at 24 kHz) for ``generated`` (the
         thinker's reply ids, its stop token included) to the prompt ``inputs``. ``stream_joins``: decode with
         :meth:`Code2Wav.decode_stream` (no holes at 300-frame joins) rather than transformers' ``chunked_decode``;
-        both are the same below 300 frames (24 s)."""
+        both are the same below 300 frames (24 s). ``sampling`` / ``predictor_sampling``: see
+        :meth:`Talker.generate` (default greedy)."""
         if eos_ids is None:
             eos_ids = (self.config["im_end_token_id"],)
         embeds0, hidden = self.thinker_states(model, inputs, generated)
         prompt, talker_ids, trailing, pad = talker_prompt(model, self.talker, self.config, inputs["input_ids"],
                                                           generated, embeds0, hidden, speaker, eos_ids=eos_ids)
         positions = self.talker_positions(model, talker_ids, inputs)
-        codes = self.talker.generate(prompt, positions, trailing, pad, max_new_tokens=max_new_tokens)
+        codes = self.talker.generate(prompt, positions, trailing, pad, max_new_tokens=max_new_tokens,
+                                     sampling=sampling, predictor_sampling=predictor_sampling)
         if codes.shape[1] == 0:
             return codes, np.zeros(0, dtype=np.float32)
         if stream_joins:

@@ -17,8 +17,9 @@ As transformers 5.24's ``Qwen3OmniMoeTalkerForConditionalGeneration`` and ``Qwen
 - the code predictor (a small dense Qwen3 decoder, 1-D RoPE from 0 for every frame) takes ``[talker's last hidden,
   embedding of codebook 0]`` and predicts codebooks 1..15 one by one, codebook ``g`` through ``lm_head[g - 1]``
   and embedded for the next through ``codec_embedding[g - 1]``;
-- decoding (greedy here; transformers samples by default): repetition penalty 1.05 over the codebook-0 codes so far,
-  the top 1,024 codec ids suppressed except ``codec_eos``, stop at ``codec_eos``. A frame's 16 codes are complete
+- decoding: repetition penalty 1.05 over the codebook-0 codes so far, the top 1,024 codec ids suppressed except
+  ``codec_eos``, stop at ``codec_eos``; greedy (the parity reference) or sampled as transformers' defaults
+  (:data:`TALKER_SAMPLING`: top-k 50, temperature 0.9; :data:`PREDICTOR_SAMPLING`: top-k 50, top-p 0.8). A frame's 16 codes are complete
   once the next talker step has run the code predictor for it, so the frame of the final (eos) code is never
   emitted.
 """
@@ -34,8 +35,15 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import blocks
 from ..loading import CheckpointError, config_fields
+from ..qwen2_5_omni.talker import CodecSampling, choose_code
 from .config import TextConfig
 from .language import Attention, DecoderLayer, mrope_axis_of_freq, mrope_cos_sin, stack_experts
+
+
+GREEDY = CodecSampling(greedy=True)
+TALKER_SAMPLING = CodecSampling(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+PREDICTOR_SAMPLING = CodecSampling(temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.0)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -153,8 +161,9 @@ class CodePredictor(nn.Module):
                         for _ in range(c.num_code_groups - 1)]
         self._inv, self._axes = _rope(c.predictor)
 
-    def codes(self, past_hidden: mx.array, code0: int, code0_embed: mx.array) -> tuple[list[int], list[mx.array]]:
-        """Greedy codebooks 1.. for one frame: (codes, their embeddings ``[1, 1, H]``)."""
+    def codes(self, past_hidden: mx.array, code0: int, code0_embed: mx.array, sampling: CodecSampling = GREEDY,
+              key=None) -> tuple[list[int], list[mx.array]]:
+        """Codebooks 1.. for one frame: (codes, their embeddings ``[1, 1, H]``); ``key``: the frame's PRNG key."""
         from mlx_lm.models.cache import KVCache
 
         cache = [KVCache() for _ in self.model.layers]
@@ -166,8 +175,12 @@ class CodePredictor(nn.Module):
             h = x
             for layer, c in zip(self.model.layers, cache):
                 h = layer(h, cos, sin, c)
-            logits = self.lm_head[g](self.model.norm(h[:, -1:]))
-            code = int(mx.argmax(logits[0, -1]).item())
+            logits = self.lm_head[g](self.model.norm(h[:, -1:]))[0, -1]
+            if sampling.greedy:
+                code = int(mx.argmax(logits).item())
+            else:
+                code = choose_code(logits.astype(mx.float32), _NONE, sampling, _NONE,
+                                   None if key is None else mx.random.split(key, len(self.lm_head))[g])
             codes.append(code)
             x = self.model.codec_embedding[g](mx.array([[code]]))
             embeds.append(x)
@@ -201,8 +214,14 @@ class Talker(nn.Module):
         return self.model.norm(h)
 
     def generate(self, prompt: mx.array, positions: np.ndarray, trailing: mx.array, tts_pad: mx.array, *,
-                 max_new_tokens: int = 4096, repetition_penalty: float = 1.05) -> np.ndarray:
-        """Greedy codes ``[num_code_groups, frames]`` for one reply (see the module docstring)."""
+                 max_new_tokens: int = 4096, sampling: CodecSampling | None = None,
+                 predictor_sampling: CodecSampling | None = None) -> np.ndarray:
+        """Codes ``[num_code_groups, frames]`` for one reply (see the module docstring): greedy with transformers'
+        repetition penalty by default; ``sampling`` / ``predictor_sampling`` (e.g. :data:`TALKER_SAMPLING`,
+        :data:`PREDICTOR_SAMPLING`) sample, reproducibly when ``sampling.seed`` is set."""
+        sampling = sampling or CodecSampling(greedy=True, repetition_penalty=1.05)
+        predictor_sampling = predictor_sampling or (GREEDY if sampling.greedy else PREDICTOR_SAMPLING)
+        step_keys = None if sampling.seed is None else mx.random.split(mx.random.key(sampling.seed), max_new_tokens)
         from mlx_lm.models.cache import KVCache
 
         c = self.config
@@ -211,22 +230,28 @@ class Talker(nn.Module):
         suppressed[max(vocab - 1024, 0):] = True
         suppressed[c.codec_eos_token_id] = False
         bias = mx.array(np.where(suppressed, -np.inf, 0.0).astype(np.float32))
+        suppressed_ids = np.nonzero(suppressed)[0]
         cache = [KVCache() for _ in self.model.layers]
         hidden = self.forward(prompt, positions, cache)
         nxt = float(np.max(positions)) + 1
         generated, frames = [], []
         for step in range(max_new_tokens):
             logits = self.codec_head(hidden[:, -1:])[0, -1].astype(mx.float32)
-            if generated and repetition_penalty != 1.0:
-                seen = mx.array(sorted(set(generated)))
-                vals = logits[seen]
-                logits[seen] = mx.where(vals < 0, vals * repetition_penalty, vals / repetition_penalty)
-            code0 = int(mx.argmax(logits + bias).item())
+            keys = (None, None) if step_keys is None else tuple(mx.random.split(step_keys[step]))
+            if sampling.greedy:
+                p = sampling.repetition_penalty
+                if generated and p != 1.0:
+                    seen = mx.array(sorted(set(generated)))
+                    vals = logits[seen]
+                    logits[seen] = mx.where(vals < 0, vals * p, vals / p)
+                code0 = int(mx.argmax(logits + bias).item())
+            else:
+                code0 = choose_code(logits, np.asarray(generated, dtype=np.int64), sampling, suppressed_ids, keys[0])
             generated.append(code0)
             if code0 == c.codec_eos_token_id or step == max_new_tokens - 1:
                 break
             embed0 = self.model.codec_embedding(mx.array([[code0]]))
-            rest, rest_embeds = self.code_predictor.codes(hidden[:, -1:], code0, embed0)
+            rest, rest_embeds = self.code_predictor.codes(hidden[:, -1:], code0, embed0, predictor_sampling, keys[1])
             frames.append([code0] + rest)
             x = embed0
             for e in rest_embeds:

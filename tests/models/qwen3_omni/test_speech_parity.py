@@ -161,3 +161,29 @@ def test_thinking_layout_loads_without_speech(tmp_path, q3_tokenizer_dir, q3):
     np.testing.assert_array_equal(np.array(model(ids)), np.array(q3[0](ids)))
     with pytest.raises(CheckpointError, match="no talker_config"):
         load_speech(ckpt, json.loads((ckpt / "config.json").read_text()))
+
+
+def test_sampled_codes_are_reproducible_and_top_k_1_is_greedy(q3, speech):
+    """Sampling as transformers' defaults (top-k 50, temperature 0.9; predictor top-k 50, top-p 0.8): a seed
+    reproduces a reply, top-k 1 is the greedy path (penalty included), and codes stay in the codebooks."""
+    from dataclasses import replace
+
+    from omnitide_mlx.models.qwen3_omni.talker import PREDICTOR_SAMPLING, TALKER_SAMPLING
+
+    model, proc = q3
+    inputs = case_inputs(proc, "text")
+    reply = [5, 6, 7, THINKER_EOS]
+    kw = dict(max_new_tokens=9, eos_ids=(THINKER_EOS,))
+    greedy, _ = speech.reply(model, inputs, reply, **kw)
+    seeded = replace(TALKER_SAMPLING, seed=3)
+    a, _ = speech.reply(model, inputs, reply, sampling=seeded, **kw)
+    b, _ = speech.reply(model, inputs, reply, sampling=seeded, **kw)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape[0] == 4 and a.size and (a >= 0).all() and (a < 32).all()
+    one = replace(TALKER_SAMPLING, top_k=1, seed=0)
+    c, _ = speech.reply(model, inputs, reply, sampling=one, predictor_sampling=replace(PREDICTOR_SAMPLING, top_k=1),
+                        **kw)
+    np.testing.assert_array_equal(c, greedy)
+    others = [speech.reply(model, inputs, reply, sampling=replace(TALKER_SAMPLING, seed=s), **kw)[0]
+              for s in (4, 5)]
+    assert any(o.shape != a.shape or not np.array_equal(o, a) for o in others)
