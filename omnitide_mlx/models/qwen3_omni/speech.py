@@ -4,7 +4,8 @@ computes them with greedy decoding (talker.py, code2wav.py).
 
 ``load_speech(folder, config)`` -> :class:`Speech`; ``speech.reply(model, inputs, generated, speaker)`` -> (codes
 ``[16, frames]``, waveform ``[samples]``) for a reply the thinker already generated; :func:`generate` runs both
-stages like transformers' ``generate``.
+stages like transformers' ``generate``; ``speech.stream(model, inputs, tokens, speaker)`` speaks a reply while its
+tokens arrive (the talker one frame per reply token, Code2Wav one chunk at a time), yielding PCM pieces.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .code2wav import Code2Wav, load_code2wav
-from .talker import Talker, load_talker, talker_prompt
+from .code2wav import Code2Wav, Code2WavStream, load_code2wav
+from .talker import Talker, TalkerStream, load_talker, talker_prompt
 
 
 @dataclass
@@ -80,6 +81,55 @@ class Speech:
         else:
             wav = self.code2wav.chunked_decode(codes[None])
         return codes, np.array(wav.astype(mx.float32)).reshape(-1)
+
+
+    def stream(self, model, inputs: dict, tokens, speaker: str = "Ethan", *, chunk_size: int = 25,
+               left_context_size: int = 25, max_new_tokens: int = 4096, eos_ids=None, sampling=None,
+               predictor_sampling=None):
+        """Yield float32 PCM pieces (24 kHz) of the reply whose token ids ``tokens`` yields one by one, as they
+        come: the talker starts once the first token exists and then makes one frame per further token (then
+        reads ``tts_eos`` and ``tts_pad`` after the stop token) until its ``codec_eos``; Code2Wav emits every
+        ``chunk_size`` frames (25 = 2 s). The concatenated pieces equal ``reply`` with the same chunking
+        (``decode_stream``), except that a reply cut by a token limit has its last token spoken too (transformers
+        drops it). ``.codes`` of the generator's return value: no; read ``self.last_codes`` after it ends."""
+        if eos_ids is None:
+            eos_ids = (self.config["im_end_token_id"],)
+        eos_ids = set(eos_ids)
+        it = iter(tokens)
+        first = next(it, None)
+        self.last_codes = np.zeros((self.talker.config.num_code_groups, 0), dtype=np.int64)
+        if first is None or first in eos_ids:
+            return
+        embeds0, hidden = self.thinker_states(model, inputs, [first, next(iter(eos_ids))])
+        prompt, talker_ids, _, pad = talker_prompt(model, self.talker, self.config, inputs["input_ids"],
+                                                   [first, next(iter(eos_ids))], embeds0, hidden, speaker,
+                                                   eos_ids=tuple(eos_ids))
+        special = mx.array([[self.config["tts_eos_token_id"]]])
+        eos_row = self.talker.text_projection(model.language_model.embed(special))
+        talker = TalkerStream(self.talker, max_new_tokens=max_new_tokens, sampling=sampling,
+                              predictor_sampling=predictor_sampling)
+        talker.start(prompt, self.talker_positions(model, talker_ids, inputs))
+        audio = Code2WavStream(self.code2wav, chunk_size, left_context_size)
+        frames, text_ended = [], False
+        while not talker.done:
+            if not text_ended:
+                token = next(it, None)
+                if token is None or token in eos_ids:
+                    text_ended, row = True, eos_row
+                else:
+                    row = self.talker.text_projection(model.language_model.embed(mx.array([[token]])))
+            else:
+                row = pad
+            frame = talker.step(row)
+            if frame is not None:
+                frames.append(frame)
+                pcm = audio.add(frame)
+                if pcm.size:
+                    yield pcm
+        pcm = audio.finish()
+        if pcm.size:
+            yield pcm
+        self.last_codes = np.asarray(frames, dtype=np.int64).T.reshape(self.talker.config.num_code_groups, -1)
 
 
 def load_speech(path, config: dict) -> Speech:

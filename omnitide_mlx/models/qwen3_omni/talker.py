@@ -219,47 +219,91 @@ class Talker(nn.Module):
         """Codes ``[num_code_groups, frames]`` for one reply (see the module docstring): greedy with transformers'
         repetition penalty by default; ``sampling`` / ``predictor_sampling`` (e.g. :data:`TALKER_SAMPLING`,
         :data:`PREDICTOR_SAMPLING`) sample, reproducibly when ``sampling.seed`` is set."""
-        sampling = sampling or CodecSampling(greedy=True, repetition_penalty=1.05)
-        predictor_sampling = predictor_sampling or (GREEDY if sampling.greedy else PREDICTOR_SAMPLING)
-        step_keys = None if sampling.seed is None else mx.random.split(mx.random.key(sampling.seed), max_new_tokens)
+        stream = TalkerStream(self, max_new_tokens=max_new_tokens, sampling=sampling,
+                              predictor_sampling=predictor_sampling)
+        stream.start(prompt, positions)
+        frames = []
+        while not stream.done:
+            k = len(frames)
+            frame = stream.step(trailing[:, k:k + 1] if k < trailing.shape[1] else tts_pad)
+            if frame is not None:
+                frames.append(frame)
+        return np.asarray(frames, dtype=np.int64).T.reshape(self.config.num_code_groups, -1)
+
+
+class TalkerStream:
+    """One reply's talker, stepped as the text arrives (``Talker.generate`` is this in a loop).
+
+    ``start(prompt, positions)`` prefills the talker and picks codebook 0 of frame 0. Each ``step(text_row)`` runs
+    the code predictor for the pending frame, feeds the frame's summed embeddings plus ``text_row`` (the next reply
+    token's text projection, ``tts_eos`` once the text has ended, then ``tts_pad``) and picks the next codebook 0;
+    it returns the completed frame (``num_code_groups`` codes). ``done`` once ``codec_eos`` is picked or
+    ``max_new_tokens`` codes are; the KV cache is the object's own."""
+
+    def __init__(self, talker: Talker, *, max_new_tokens: int = 4096, sampling: CodecSampling | None = None,
+                 predictor_sampling: CodecSampling | None = None):
         from mlx_lm.models.cache import KVCache
 
-        c = self.config
+        c = talker.config
+        self.talker, self.max_new_tokens = talker, max_new_tokens
+        self.sampling = sampling or CodecSampling(greedy=True, repetition_penalty=1.05)
+        self.predictor_sampling = predictor_sampling or (GREEDY if self.sampling.greedy else PREDICTOR_SAMPLING)
+        seed = self.sampling.seed
+        self.step_keys = None if seed is None else mx.random.split(mx.random.key(seed), max_new_tokens)
         vocab = c.text.vocab_size
         suppressed = np.zeros(vocab, dtype=bool)
         suppressed[max(vocab - 1024, 0):] = True
         suppressed[c.codec_eos_token_id] = False
-        bias = mx.array(np.where(suppressed, -np.inf, 0.0).astype(np.float32))
-        suppressed_ids = np.nonzero(suppressed)[0]
-        cache = [KVCache() for _ in self.model.layers]
-        hidden = self.forward(prompt, positions, cache)
-        nxt = float(np.max(positions)) + 1
-        generated, frames = [], []
-        for step in range(max_new_tokens):
-            logits = self.codec_head(hidden[:, -1:])[0, -1].astype(mx.float32)
-            keys = (None, None) if step_keys is None else tuple(mx.random.split(step_keys[step]))
-            if sampling.greedy:
-                p = sampling.repetition_penalty
-                if generated and p != 1.0:
-                    seen = mx.array(sorted(set(generated)))
-                    vals = logits[seen]
-                    logits[seen] = mx.where(vals < 0, vals * p, vals / p)
-                code0 = int(mx.argmax(logits + bias).item())
-            else:
-                code0 = choose_code(logits, np.asarray(generated, dtype=np.int64), sampling, suppressed_ids, keys[0])
-            generated.append(code0)
-            if code0 == c.codec_eos_token_id or step == max_new_tokens - 1:
-                break
-            embed0 = self.model.codec_embedding(mx.array([[code0]]))
-            rest, rest_embeds = self.code_predictor.codes(hidden[:, -1:], code0, embed0, predictor_sampling, keys[1])
-            frames.append([code0] + rest)
-            x = embed0
-            for e in rest_embeds:
-                x = x + e
-            x = x + (trailing[:, step:step + 1] if step < trailing.shape[1] else tts_pad)
-            hidden = self.forward(x, np.full((3, 1), nxt, dtype=np.float32), cache)
-            nxt += 1
-        return np.asarray(frames, dtype=np.int64).T.reshape(c.num_code_groups, -1)
+        self.bias = mx.array(np.where(suppressed, -np.inf, 0.0).astype(np.float32))
+        self.suppressed_ids = np.nonzero(suppressed)[0]
+        self.cache = [KVCache() for _ in talker.model.layers]
+        self.generated: list[int] = []
+        self.hidden = None
+        self.next_position = 0.0
+        self.done = False
+
+    def _keys(self, k: int):
+        return (None, None) if self.step_keys is None else tuple(mx.random.split(self.step_keys[k]))
+
+    def _pick(self) -> None:
+        t, s = self.talker, self.sampling
+        logits = t.codec_head(self.hidden[:, -1:])[0, -1].astype(mx.float32)
+        k = len(self.generated)
+        if s.greedy:
+            if self.generated and s.repetition_penalty != 1.0:
+                seen = mx.array(sorted(set(self.generated)))
+                vals = logits[seen]
+                p = s.repetition_penalty
+                logits[seen] = mx.where(vals < 0, vals * p, vals / p)
+            code0 = int(mx.argmax(logits + self.bias).item())
+        else:
+            code0 = choose_code(logits, np.asarray(self.generated, dtype=np.int64), s, self.suppressed_ids,
+                                self._keys(k)[0])
+        self.generated.append(code0)
+        if code0 == t.config.codec_eos_token_id or len(self.generated) >= self.max_new_tokens:
+            self.done = True
+
+    def start(self, prompt: mx.array, positions: np.ndarray) -> None:
+        self.hidden = self.talker.forward(prompt, positions, self.cache)
+        self.next_position = float(np.max(positions)) + 1
+        self._pick()
+
+    def step(self, text_row: mx.array) -> list[int] | None:
+        if self.done:
+            return None
+        t = self.talker
+        k = len(self.generated) - 1
+        code0 = self.generated[-1]
+        embed0 = t.model.codec_embedding(mx.array([[code0]]))
+        rest, rest_embeds = t.code_predictor.codes(self.hidden[:, -1:], code0, embed0, self.predictor_sampling,
+                                                   self._keys(k)[1])
+        x = embed0
+        for e in rest_embeds:
+            x = x + e
+        self.hidden = t.forward(x + text_row, np.full((3, 1), self.next_position, dtype=np.float32), self.cache)
+        self.next_position += 1
+        self._pick()
+        return [code0] + rest
 
 
 def talker_prompt(thinker, talker: Talker, config: dict, input_ids: np.ndarray, generated: list[int],

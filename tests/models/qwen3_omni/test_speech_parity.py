@@ -187,3 +187,23 @@ def test_sampled_codes_are_reproducible_and_top_k_1_is_greedy(q3, speech):
     others = [speech.reply(model, inputs, reply, sampling=replace(TALKER_SAMPLING, seed=s), **kw)[0]
               for s in (4, 5)]
     assert any(o.shape != a.shape or not np.array_equal(o, a) for o in others)
+
+
+@pytest.mark.parametrize("case", ["text", "image_audio"])
+def test_streamed_reply_equals_offline(q3, speech, case):
+    """Spoken while the reply's tokens arrive one by one: the same codes as the offline reply, and PCM pieces that
+    concatenate to the offline waveform decoded with the same chunks (here 3 frames, 5 of context)."""
+    from omnitide_mlx.models.qwen3_omni.code2wav import Code2WavStream
+
+    model, proc = q3
+    inputs = case_inputs(proc, case)
+    reply = [model_id for model_id in (17, 230, 45, 99, 8)] + [THINKER_EOS]
+    codes, _ = speech.reply(model, inputs, reply, max_new_tokens=12, eos_ids=(THINKER_EOS,))
+    pieces = list(speech.stream(model, inputs, iter(reply), chunk_size=3, left_context_size=5, max_new_tokens=12,
+                                eos_ids=(THINKER_EOS,)))
+    np.testing.assert_array_equal(speech.last_codes, codes)
+    assert codes.shape[1] >= 4 and len(pieces) == -(-codes.shape[1] // 3)
+    whole = np.concatenate([np.array(p).reshape(-1) for p in speech.code2wav.decode_stream(codes[None], 3, 5)])
+    np.testing.assert_allclose(np.concatenate(pieces), whole, rtol=0, atol=1e-6)
+    stream = Code2WavStream(speech.code2wav, 3, 5)
+    assert sum(stream.add(f).size for f in codes.T) + stream.finish().size == whole.size
