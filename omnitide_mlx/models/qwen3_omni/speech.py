@@ -30,6 +30,20 @@ class Speech:
     def sample_rate(self) -> int:
         return 24000
 
+    def quantize(self, bits: int = 4, group_size: int = 64) -> None:
+        """Quantise the talker's and code predictor's projections, experts (``gather_qmm``), embeddings and heads in
+        memory; the routers (``mlp.gate``, ``shared_expert_gate``: the same expert-choice argument as the
+        thinker's), norms and Code2Wav stay in float. At the released sizes the talker is ~3.3 B parameters, 6.2 GiB
+        in bf16 and ~2.4 GiB this way (docs/models/qwen3_omni.md)."""
+        import mlx.nn as nn
+
+        def predicate(path: str, module) -> bool:
+            return (hasattr(module, "to_quantized") and not path.endswith(("mlp.gate", "shared_expert_gate"))
+                    and module.weight.shape[-1] % group_size == 0)
+
+        nn.quantize(self.talker, group_size=group_size, bits=bits, class_predicate=predicate)
+        mx.eval(self.talker.parameters())
+
     def thinker_states(self, model, inputs: dict, generated: list[int]) -> tuple[mx.array, mx.array]:
         """The thinker's input embeddings and its ``accept_hidden_layer`` output over the prompt and the reply but
         its last token (what transformers' generate recorded), batch 1."""
@@ -132,10 +146,31 @@ class Speech:
         self.last_codes = np.asarray(frames, dtype=np.int64).T.reshape(self.talker.config.num_code_groups, -1)
 
 
+SPEECH_DIR = "speech"  # in a converted folder: the talker and Code2Wav tensors, float, released names
+
+
 def load_speech(path, config: dict) -> Speech:
-    """The talker, code predictor and Code2Wav of a released checkpoint folder (a -Thinking one has none)."""
+    """The talker, code predictor and Code2Wav of a released checkpoint folder (a -Thinking one has none), or of a
+    converted folder's ``speech/`` (see :func:`save_speech`)."""
     path = Path(path)
+    if (path / SPEECH_DIR / "model.safetensors").is_file():
+        path = path / SPEECH_DIR
     return Speech(load_talker(path, config), load_code2wav(path, config), config)
+
+
+def save_speech(src, dst) -> Path:
+    """Copy the ``talker.*`` and ``code2wav.*`` tensors of checkpoint folder ``src`` to ``dst/speech/`` unchanged
+    (float, released names), so that a folder written by ``omnitide convert`` (thinker only) can still speak
+    (:meth:`Speech.quantize` quantises the talker after loading)."""
+    from ..loading import load_safetensors
+
+    weights = {k: v for k, v in load_safetensors(Path(src)).items() if k.startswith(("talker.", "code2wav."))}
+    if not weights:
+        raise ValueError(f"{src} has no talker or code2wav weights")
+    out = Path(dst) / SPEECH_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return out
 
 
 def generate(model, speech: Speech, inputs: dict, *, speaker: str = "Ethan", thinker_max_new_tokens: int = 1024,

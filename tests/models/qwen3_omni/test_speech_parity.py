@@ -207,3 +207,18 @@ def test_streamed_reply_equals_offline(q3, speech, case):
     np.testing.assert_allclose(np.concatenate(pieces), whole, rtol=0, atol=1e-6)
     stream = Code2WavStream(speech.code2wav, 3, 5)
     assert sum(stream.add(f).size for f in codes.T) + stream.finish().size == whole.size
+
+
+def test_quantised_talker_speaks(q3, q3_ckpt):
+    """``Speech.quantize``: experts through the gathered quantised matmul, routers in float, and a reply still comes
+    out in the codebooks' range."""
+    model, proc = q3
+    sp = load_speech(q3_ckpt, json.loads((q3_ckpt / "config.json").read_text()))
+    sp.quantize(bits=4, group_size=32)  # the tiny experts' down projections (16 wide) stay float
+    layer = sp.talker.model.layers[0].mlp
+    assert type(layer.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
+    assert type(layer.gate).__name__ == "Linear" and type(layer.shared_expert_gate).__name__ == "Linear"
+    assert type(sp.talker.code_predictor.lm_head[0]).__name__ == "QuantizedLinear"
+    codes, wav = sp.reply(model, case_inputs(proc, "text"), [5, 6, 7, THINKER_EOS], max_new_tokens=6,
+                          eos_ids=(THINKER_EOS,))
+    assert codes.shape[0] == 4 and ((codes >= 0) & (codes < 32)).all() and np.isfinite(wav).all()
