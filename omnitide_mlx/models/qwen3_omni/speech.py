@@ -34,7 +34,7 @@ class Speech:
         """Quantise the talker's and code predictor's projections, experts (``gather_qmm``), embeddings and heads in
         memory; the routers (``mlp.gate``, ``shared_expert_gate``: the same expert-choice argument as the
         thinker's), norms and Code2Wav stay in float. At the released sizes the talker is ~3.3 B parameters, 6.2 GiB
-        in bf16 and ~2.4 GiB this way (docs/models/qwen3_omni.md)."""
+        in bf16 and ~2.1 GiB this way; Code2Wav adds 0.4 GiB in float (docs/models/qwen3_omni.md)."""
         import mlx.nn as nn
 
         def predicate(path: str, module) -> bool:
