@@ -365,6 +365,41 @@ class Code2Wav(nn.Module):
         return out
 
 
+class Code2WavStream:
+    """Frames in, audio out as soon as a chunk is complete: ``decode_stream``'s chunks (``chunk_size`` frames with
+    ``left_context_size`` frames of context, joined without holes), fed one frame at a time. ``add(frame)`` returns
+    the PCM that became ready (``[samples]`` float32, maybe empty); ``finish()`` the rest."""
+
+    def __init__(self, code2wav: Code2Wav, chunk_size: int = 25, left_context_size: int = 25):
+        tail = code2wav.config.tail_samples
+        if left_context_size * code2wav.total_upsample < tail:
+            raise ValueError(f"left_context_size must cover the {tail}-sample tail")
+        self.code2wav, self.chunk_size, self.context = code2wav, chunk_size, left_context_size
+        self.frames: list[list[int]] = []
+        self.start = 0  # first frame not yet emitted
+
+    def _emit(self, end: int) -> np.ndarray:
+        c2w, start = self.code2wav, self.start
+        ctx = self.context if start - self.context > 0 else start
+        codes = mx.array(np.asarray(self.frames[start - ctx:end], dtype=np.int64).T[None])
+        wav = c2w(codes)
+        if ctx:
+            wav = wav[..., ctx * c2w.total_upsample - c2w.config.tail_samples:]
+        self.start = end
+        return np.array(wav.astype(mx.float32)).reshape(-1)
+
+    def add(self, frame) -> np.ndarray:
+        self.frames.append([int(c) for c in frame])
+        if len(self.frames) - self.start >= self.chunk_size:
+            return self._emit(self.start + self.chunk_size)
+        return np.zeros(0, dtype=np.float32)
+
+    def finish(self) -> np.ndarray:
+        if self.start < len(self.frames):
+            return self._emit(len(self.frames))
+        return np.zeros(0, dtype=np.float32)
+
+
 def hf_code2wav_shapes(c: Code2WavConfig) -> dict[str, tuple[int, ...]]:
     """Every Code2Wav tensor of a released checkpoint (names after ``code2wav.``) and its HF shape."""
     d, hd = c.hidden_size, c.head_dim

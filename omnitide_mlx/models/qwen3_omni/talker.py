@@ -17,8 +17,9 @@ As transformers 5.24's ``Qwen3OmniMoeTalkerForConditionalGeneration`` and ``Qwen
 - the code predictor (a small dense Qwen3 decoder, 1-D RoPE from 0 for every frame) takes ``[talker's last hidden,
   embedding of codebook 0]`` and predicts codebooks 1..15 one by one, codebook ``g`` through ``lm_head[g - 1]``
   and embedded for the next through ``codec_embedding[g - 1]``;
-- decoding (greedy here; transformers samples by default): repetition penalty 1.05 over the codebook-0 codes so far,
-  the top 1,024 codec ids suppressed except ``codec_eos``, stop at ``codec_eos``. A frame's 16 codes are complete
+- decoding: repetition penalty 1.05 over the codebook-0 codes so far, the top 1,024 codec ids suppressed except
+  ``codec_eos``, stop at ``codec_eos``; greedy (the parity reference) or sampled as transformers' defaults
+  (:data:`TALKER_SAMPLING`: top-k 50, temperature 0.9; :data:`PREDICTOR_SAMPLING`: top-k 50, top-p 0.8). A frame's 16 codes are complete
   once the next talker step has run the code predictor for it, so the frame of the final (eos) code is never
   emitted.
 """
@@ -34,8 +35,15 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import blocks
 from ..loading import CheckpointError, config_fields
+from ..qwen2_5_omni.talker import CodecSampling, choose_code
 from .config import TextConfig
 from .language import Attention, DecoderLayer, mrope_axis_of_freq, mrope_cos_sin, stack_experts
+
+
+GREEDY = CodecSampling(greedy=True)
+TALKER_SAMPLING = CodecSampling(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+PREDICTOR_SAMPLING = CodecSampling(temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.0)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -153,8 +161,9 @@ class CodePredictor(nn.Module):
                         for _ in range(c.num_code_groups - 1)]
         self._inv, self._axes = _rope(c.predictor)
 
-    def codes(self, past_hidden: mx.array, code0: int, code0_embed: mx.array) -> tuple[list[int], list[mx.array]]:
-        """Greedy codebooks 1.. for one frame: (codes, their embeddings ``[1, 1, H]``)."""
+    def codes(self, past_hidden: mx.array, code0: int, code0_embed: mx.array, sampling: CodecSampling = GREEDY,
+              key=None) -> tuple[list[int], list[mx.array]]:
+        """Codebooks 1.. for one frame: (codes, their embeddings ``[1, 1, H]``); ``key``: the frame's PRNG key."""
         from mlx_lm.models.cache import KVCache
 
         cache = [KVCache() for _ in self.model.layers]
@@ -166,8 +175,12 @@ class CodePredictor(nn.Module):
             h = x
             for layer, c in zip(self.model.layers, cache):
                 h = layer(h, cos, sin, c)
-            logits = self.lm_head[g](self.model.norm(h[:, -1:]))
-            code = int(mx.argmax(logits[0, -1]).item())
+            logits = self.lm_head[g](self.model.norm(h[:, -1:]))[0, -1]
+            if sampling.greedy:
+                code = int(mx.argmax(logits).item())
+            else:
+                code = choose_code(logits.astype(mx.float32), _NONE, sampling, _NONE,
+                                   None if key is None else mx.random.split(key, len(self.lm_head))[g])
             codes.append(code)
             x = self.model.codec_embedding[g](mx.array([[code]]))
             embeds.append(x)
@@ -201,40 +214,96 @@ class Talker(nn.Module):
         return self.model.norm(h)
 
     def generate(self, prompt: mx.array, positions: np.ndarray, trailing: mx.array, tts_pad: mx.array, *,
-                 max_new_tokens: int = 4096, repetition_penalty: float = 1.05) -> np.ndarray:
-        """Greedy codes ``[num_code_groups, frames]`` for one reply (see the module docstring)."""
+                 max_new_tokens: int = 4096, sampling: CodecSampling | None = None,
+                 predictor_sampling: CodecSampling | None = None) -> np.ndarray:
+        """Codes ``[num_code_groups, frames]`` for one reply (see the module docstring): greedy with transformers'
+        repetition penalty by default; ``sampling`` / ``predictor_sampling`` (e.g. :data:`TALKER_SAMPLING`,
+        :data:`PREDICTOR_SAMPLING`) sample, reproducibly when ``sampling.seed`` is set."""
+        stream = TalkerStream(self, max_new_tokens=max_new_tokens, sampling=sampling,
+                              predictor_sampling=predictor_sampling)
+        stream.start(prompt, positions)
+        frames = []
+        while not stream.done:
+            k = len(frames)
+            frame = stream.step(trailing[:, k:k + 1] if k < trailing.shape[1] else tts_pad)
+            if frame is not None:
+                frames.append(frame)
+        return np.asarray(frames, dtype=np.int64).T.reshape(self.config.num_code_groups, -1)
+
+
+class TalkerStream:
+    """One reply's talker, stepped as the text arrives (``Talker.generate`` is this in a loop).
+
+    ``start(prompt, positions)`` prefills the talker and picks codebook 0 of frame 0. Each ``step(text_row)`` runs
+    the code predictor for the pending frame, feeds the frame's summed embeddings plus ``text_row`` (the next reply
+    token's text projection, ``tts_eos`` once the text has ended, then ``tts_pad``) and picks the next codebook 0;
+    it returns the completed frame (``num_code_groups`` codes). ``done`` once ``codec_eos`` is picked or
+    ``max_new_tokens`` codes are; the KV cache is the object's own."""
+
+    def __init__(self, talker: Talker, *, max_new_tokens: int = 4096, sampling: CodecSampling | None = None,
+                 predictor_sampling: CodecSampling | None = None):
         from mlx_lm.models.cache import KVCache
 
-        c = self.config
+        c = talker.config
+        self.talker, self.max_new_tokens = talker, max_new_tokens
+        self.sampling = sampling or CodecSampling(greedy=True, repetition_penalty=1.05)
+        self.predictor_sampling = predictor_sampling or (GREEDY if self.sampling.greedy else PREDICTOR_SAMPLING)
+        seed = self.sampling.seed
+        self.step_keys = None if seed is None else mx.random.split(mx.random.key(seed), max_new_tokens)
         vocab = c.text.vocab_size
         suppressed = np.zeros(vocab, dtype=bool)
         suppressed[max(vocab - 1024, 0):] = True
         suppressed[c.codec_eos_token_id] = False
-        bias = mx.array(np.where(suppressed, -np.inf, 0.0).astype(np.float32))
-        cache = [KVCache() for _ in self.model.layers]
-        hidden = self.forward(prompt, positions, cache)
-        nxt = float(np.max(positions)) + 1
-        generated, frames = [], []
-        for step in range(max_new_tokens):
-            logits = self.codec_head(hidden[:, -1:])[0, -1].astype(mx.float32)
-            if generated and repetition_penalty != 1.0:
-                seen = mx.array(sorted(set(generated)))
+        self.bias = mx.array(np.where(suppressed, -np.inf, 0.0).astype(np.float32))
+        self.suppressed_ids = np.nonzero(suppressed)[0]
+        self.cache = [KVCache() for _ in talker.model.layers]
+        self.generated: list[int] = []
+        self.hidden = None
+        self.next_position = 0.0
+        self.done = False
+
+    def _keys(self, k: int):
+        return (None, None) if self.step_keys is None else tuple(mx.random.split(self.step_keys[k]))
+
+    def _pick(self) -> None:
+        t, s = self.talker, self.sampling
+        logits = t.codec_head(self.hidden[:, -1:])[0, -1].astype(mx.float32)
+        k = len(self.generated)
+        if s.greedy:
+            if self.generated and s.repetition_penalty != 1.0:
+                seen = mx.array(sorted(set(self.generated)))
                 vals = logits[seen]
-                logits[seen] = mx.where(vals < 0, vals * repetition_penalty, vals / repetition_penalty)
-            code0 = int(mx.argmax(logits + bias).item())
-            generated.append(code0)
-            if code0 == c.codec_eos_token_id or step == max_new_tokens - 1:
-                break
-            embed0 = self.model.codec_embedding(mx.array([[code0]]))
-            rest, rest_embeds = self.code_predictor.codes(hidden[:, -1:], code0, embed0)
-            frames.append([code0] + rest)
-            x = embed0
-            for e in rest_embeds:
-                x = x + e
-            x = x + (trailing[:, step:step + 1] if step < trailing.shape[1] else tts_pad)
-            hidden = self.forward(x, np.full((3, 1), nxt, dtype=np.float32), cache)
-            nxt += 1
-        return np.asarray(frames, dtype=np.int64).T.reshape(c.num_code_groups, -1)
+                p = s.repetition_penalty
+                logits[seen] = mx.where(vals < 0, vals * p, vals / p)
+            code0 = int(mx.argmax(logits + self.bias).item())
+        else:
+            code0 = choose_code(logits, np.asarray(self.generated, dtype=np.int64), s, self.suppressed_ids,
+                                self._keys(k)[0])
+        self.generated.append(code0)
+        if code0 == t.config.codec_eos_token_id or len(self.generated) >= self.max_new_tokens:
+            self.done = True
+
+    def start(self, prompt: mx.array, positions: np.ndarray) -> None:
+        self.hidden = self.talker.forward(prompt, positions, self.cache)
+        self.next_position = float(np.max(positions)) + 1
+        self._pick()
+
+    def step(self, text_row: mx.array) -> list[int] | None:
+        if self.done:
+            return None
+        t = self.talker
+        k = len(self.generated) - 1
+        code0 = self.generated[-1]
+        embed0 = t.model.codec_embedding(mx.array([[code0]]))
+        rest, rest_embeds = t.code_predictor.codes(self.hidden[:, -1:], code0, embed0, self.predictor_sampling,
+                                                   self._keys(k)[1])
+        x = embed0
+        for e in rest_embeds:
+            x = x + e
+        self.hidden = t.forward(x + text_row, np.full((3, 1), self.next_position, dtype=np.float32), self.cache)
+        self.next_position += 1
+        self._pick()
+        return [code0] + rest
 
 
 def talker_prompt(thinker, talker: Talker, config: dict, input_ids: np.ndarray, generated: list[int],

@@ -41,6 +41,10 @@ SPECIAL_TOKENS: list[tuple[str, bool]] = [
 ]
 
 
+# role words that are single tokens in the real vocabulary but split in the tiny one: added after the specials
+TINY_ROLES = {"assistant": TINY_BASE + len(SPECIAL_TOKENS), "system": TINY_BASE + len(SPECIAL_TOKENS) + 1}
+
+
 def special_ids(base: int) -> dict[str, int]:
     return {c: base + i for i, (c, _) in enumerate(SPECIAL_TOKENS)}
 
@@ -122,9 +126,9 @@ def tiny_config(*, text_layers: int = 3, vision_depth: int = 3, audio_layers: in
                 "sliding_window": 8, "upsample_rates": [2, 3], "upsampling_ratios": [2, 2], "rms_norm_eps": 1e-05,
                 "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "attention_bias": False,
                 "hidden_act": "silu", "model_type": "qwen3_omni_moe_code2wav"}
-    # the role tokens after <|im_start|>: "user" is one token in the tiny vocabulary too; "assistant" and "system"
-    # split, and transformers' talker prompt reads the first piece
-    assistant, system = (395, 82) if vocab == "tiny" else (77091, 8948)
+    # the role tokens after <|im_start|>: one token each, as in the released vocabulary (the tiny one adds
+    # "assistant" and "system" as tokens: transformers' talker prompt takes <|im_start|>assistant\n as 3 tokens)
+    assistant, system = (TINY_ROLES["assistant"], TINY_ROLES["system"]) if vocab == "tiny" else (77091, 8948)
     return {"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "assistant_token_id": assistant,
             "code2wav_config": code2wav, "enable_audio_output": True, "im_end_token_id": ids["<|im_end|>"],
             "im_start_token_id": ids["<|im_start|>"], "model_type": "qwen3_omni_moe", "system_token_id": system,
@@ -233,9 +237,10 @@ def write_tokenizer(dst: Path, tokenizer_dir: Path, vocab: str = "tiny") -> None
         json.dump(full_vocab, f, ensure_ascii=False)
     with open(dst / "merges.txt", "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    tokens = SPECIAL_TOKENS + ([(w, False) for w in TINY_ROLES] if vocab == "tiny" else [])
     added = {str(base + i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
                              "single_word": False, "special": special}
-             for i, (c, special) in enumerate(SPECIAL_TOKENS)}
+             for i, (c, special) in enumerate(tokens)}
     cfg = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added, "bos_token": None,
            "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
            "model_max_length": 131072, "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
@@ -259,17 +264,23 @@ PREPROCESSOR_CONFIG = {  # the released preprocessor_config.json's fields
 
 
 def make_tiny_checkpoint(dst, *, tokenizer_dir, seed: int = 0, prefix: bool = True, extra_keys: bool = True,
-                         **sizes) -> Path:
+                         speech: bool = True, **sizes) -> Path:
     """Write a random tiny Qwen3-Omni checkpoint to ``dst`` (a folder) and return its path.
 
     ``tokenizer_dir``: a folder with the Qwen2 ``vocab.json`` + ``merges.txt`` (tests/data/tokenizers/qwen2).
     ``prefix`` / ``extra_keys``: the released layout (``thinker.`` names, every talker and code2wav tensor); turn
-    them off for a bare-thinker checkpoint. ``sizes``: the keywords of :func:`tiny_config`."""
+    them off for a bare-thinker checkpoint. ``speech=False``: the -Thinking layout (no talker_config /
+    code2wav_config, ``enable_audio_output`` false, no talker or code2wav tensors). ``sizes``: the keywords of
+    :func:`tiny_config`."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**sizes)
+    if not speech:
+        config = {k: v for k, v in config.items() if k not in ("talker_config", "code2wav_config")}
+        config["enable_audio_output"] = False
+        extra_keys = False
     if not prefix:
         config = dict(config["thinker_config"], architectures=["Qwen3OmniMoeThinkerForConditionalGeneration"])
     rng = np.random.default_rng(seed)

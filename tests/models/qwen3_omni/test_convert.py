@@ -85,3 +85,24 @@ def test_quantised_experts_match_a_dequantised_reference(q3):
             u = q._up_proj[e] @ xs[0, t]
             want[0, t, j] = q._down_proj[e] @ (g / (1 + np.exp(-g)) * u)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_converted_folder_speaks_with_saved_speech(tmp_path, q3_ckpt, q3, registered):
+    """``omnitide convert`` writes the thinker; ``save_speech`` adds the talker and Code2Wav under ``speech/``,
+    from where ``load_speech`` reads them (a converted folder without them says so)."""
+    from omnitide_mlx.models.loading import CheckpointError
+    from omnitide_mlx.models.qwen3_omni.speech import load_speech, save_speech
+
+    out = tmp_path / "f"
+    assert cli_main(["convert", "--model", str(q3_ckpt), "--mlx-path", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="missing keys"):
+        load_speech(out, cfg)
+    save_speech(q3_ckpt, out)
+    model, proc = load(out)
+    inputs = proc("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    reply = [40, 41, 42, 1002]
+    ref = load_speech(q3_ckpt, cfg).reply(q3[0], inputs, reply, max_new_tokens=6, eos_ids=(1002,))
+    got = load_speech(out, cfg).reply(model, inputs, reply, max_new_tokens=6, eos_ids=(1002,))
+    np.testing.assert_array_equal(got[0], ref[0])
+    np.testing.assert_array_equal(got[1], ref[1])

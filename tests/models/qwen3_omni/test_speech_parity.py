@@ -147,3 +147,78 @@ def test_transformers_talker_drops_use_audio_in_video(q3, hf_full, speech):
     _, codes, _ = generate(model, speech, inputs, thinker_max_new_tokens=6, talker_max_new_tokens=9,
                            eos_ids=(THINKER_EOS,))
     assert not np.array_equal(codes, ref)
+
+
+def test_thinking_layout_loads_without_speech(tmp_path, q3_tokenizer_dir, q3):
+    """A -Thinking style folder (no talker or Code2Wav) loads the same thinker and says clearly it cannot speak."""
+    from omnitide_mlx.models.loading import CheckpointError
+    from omnitide_mlx.models.qwen3_omni import load
+    from omnitide_mlx.models.qwen3_omni.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "thinking", tokenizer_dir=q3_tokenizer_dir, speech=False)
+    model, proc = load(ckpt)
+    ids = proc("<|im_start|>user\nHi<|im_end|>\n")["input_ids"]
+    np.testing.assert_array_equal(np.array(model(ids)), np.array(q3[0](ids)))
+    with pytest.raises(CheckpointError, match="no talker_config"):
+        load_speech(ckpt, json.loads((ckpt / "config.json").read_text()))
+
+
+def test_sampled_codes_are_reproducible_and_top_k_1_is_greedy(q3, speech):
+    """Sampling as transformers' defaults (top-k 50, temperature 0.9; predictor top-k 50, top-p 0.8): a seed
+    reproduces a reply, top-k 1 is the greedy path (penalty included), and codes stay in the codebooks."""
+    from dataclasses import replace
+
+    from omnitide_mlx.models.qwen3_omni.talker import PREDICTOR_SAMPLING, TALKER_SAMPLING
+
+    model, proc = q3
+    inputs = case_inputs(proc, "text")
+    reply = [5, 6, 7, THINKER_EOS]
+    kw = dict(max_new_tokens=9, eos_ids=(THINKER_EOS,))
+    greedy, _ = speech.reply(model, inputs, reply, **kw)
+    seeded = replace(TALKER_SAMPLING, seed=3)
+    a, _ = speech.reply(model, inputs, reply, sampling=seeded, **kw)
+    b, _ = speech.reply(model, inputs, reply, sampling=seeded, **kw)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape[0] == 4 and a.size and (a >= 0).all() and (a < 32).all()
+    one = replace(TALKER_SAMPLING, top_k=1, seed=0)
+    c, _ = speech.reply(model, inputs, reply, sampling=one, predictor_sampling=replace(PREDICTOR_SAMPLING, top_k=1),
+                        **kw)
+    np.testing.assert_array_equal(c, greedy)
+    others = [speech.reply(model, inputs, reply, sampling=replace(TALKER_SAMPLING, seed=s), **kw)[0]
+              for s in (4, 5)]
+    assert any(o.shape != a.shape or not np.array_equal(o, a) for o in others)
+
+
+@pytest.mark.parametrize("case", ["text", "image_audio"])
+def test_streamed_reply_equals_offline(q3, speech, case):
+    """Spoken while the reply's tokens arrive one by one: the same codes as the offline reply, and PCM pieces that
+    concatenate to the offline waveform decoded with the same chunks (here 3 frames, 5 of context)."""
+    from omnitide_mlx.models.qwen3_omni.code2wav import Code2WavStream
+
+    model, proc = q3
+    inputs = case_inputs(proc, case)
+    reply = [model_id for model_id in (17, 230, 45, 99, 8)] + [THINKER_EOS]
+    codes, _ = speech.reply(model, inputs, reply, max_new_tokens=12, eos_ids=(THINKER_EOS,))
+    pieces = list(speech.stream(model, inputs, iter(reply), chunk_size=3, left_context_size=5, max_new_tokens=12,
+                                eos_ids=(THINKER_EOS,)))
+    np.testing.assert_array_equal(speech.last_codes, codes)
+    assert codes.shape[1] >= 4 and len(pieces) == -(-codes.shape[1] // 3)
+    whole = np.concatenate([np.array(p).reshape(-1) for p in speech.code2wav.decode_stream(codes[None], 3, 5)])
+    np.testing.assert_allclose(np.concatenate(pieces), whole, rtol=0, atol=1e-6)
+    stream = Code2WavStream(speech.code2wav, 3, 5)
+    assert sum(stream.add(f).size for f in codes.T) + stream.finish().size == whole.size
+
+
+def test_quantised_talker_speaks(q3, q3_ckpt):
+    """``Speech.quantize``: experts through the gathered quantised matmul, routers in float, and a reply still comes
+    out in the codebooks' range."""
+    model, proc = q3
+    sp = load_speech(q3_ckpt, json.loads((q3_ckpt / "config.json").read_text()))
+    sp.quantize(bits=4, group_size=32)  # the tiny experts' down projections (16 wide) stay float
+    layer = sp.talker.model.layers[0].mlp
+    assert type(layer.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
+    assert type(layer.gate).__name__ == "Linear" and type(layer.shared_expert_gate).__name__ == "Linear"
+    assert type(sp.talker.code_predictor.lm_head[0]).__name__ == "QuantizedLinear"
+    codes, wav = sp.reply(model, case_inputs(proc, "text"), [5, 6, 7, THINKER_EOS], max_new_tokens=6,
+                          eos_ids=(THINKER_EOS,))
+    assert codes.shape[0] == 4 and ((codes >= 0) & (codes < 32)).all() and np.isfinite(wav).all()
