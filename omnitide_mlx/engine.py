@@ -353,19 +353,6 @@ class StreamingSession(Persistence, Inbox, Retention, Replies, Recall):
         with self._engine(settle=False):
             self._turn_since = None
 
-    def _pinned_uids(self) -> frozenset[int]:
-        since = self._turn_since
-        if since is None:
-            return frozenset()
-        out, held = set(), False
-        for u in self.history:
-            if u.kind is UnitKind.SYSTEM:
-                continue
-            held = held or (u.t is not None and u.t >= since)
-            if held:  # from the first unit at or after the onset: the turn's media, its text and its question
-                out.add(u.uid)
-        return frozenset(out)
-
     def truncate_reply(self, uid: int, keep_tokens: int) -> int:
         """Keep only the first ``keep_tokens`` generated tokens of the closed reply ``uid`` (what was voiced before a
         barge-in), its closing tokens stay: the rest leaves the history and the cache like any retention (positions

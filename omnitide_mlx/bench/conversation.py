@@ -49,8 +49,8 @@ RELEASED = {
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--families", default="qwen2.5-omni,minicpmo",
-                   help="tiny speaking checkpoints to run: qwen2.5-omni, minicpmo (comma-separated)")
+    p.add_argument("--families", default="qwen2_5_omni,minicpmo",
+                   help="model families (registry names) whose speaking tiny checkpoints run (comma-separated)")
     p.add_argument("--turns", type=int, default=3, help="spoken questions per model")
     p.add_argument("--hangover", type=float, default=0.6, help="seconds of silence that end an utterance")
     p.add_argument("--max-tokens", type=int, default=24, help="reply tokens")
@@ -89,17 +89,14 @@ def soundtrack(turns: int, workdir: Path) -> tuple[np.ndarray, list[float]]:
 
 
 def _checkpoint(family: str, root: Path) -> Path:
-    repo = Path(__file__).resolve().parents[2]
-    if family == "qwen2.5-omni":
-        from ..models.qwen2_5_omni.tiny import make_tiny_checkpoint
+    """A speaking tiny checkpoint of ``family`` (a registry name), written by its record."""
+    from ..models.family import families
 
-        return make_tiny_checkpoint(root / "tiny-qwen", tokenizer_dir=repo / "tests/data/tokenizers/qwen2",
-                                    speech=True, seed=1)
-    if family == "minicpmo":
-        from ..models.minicpmo.tiny import make_tiny_checkpoint
-
-        return make_tiny_checkpoint(root / "tiny-minicpmo", tts=True, seed=3)
-    raise ValueError(f"unknown family {family!r} (qwen2.5-omni, minicpmo)")
+    record = families().get(family)
+    if record is None or record.voicer is None or record.write_tiny is None:
+        speaking = [n for n, f in families().items() if f.voicer is not None and f.write_tiny is not None]
+        raise ValueError(f"no speaking tiny checkpoint for {family!r}; families that speak: {', '.join(speaking)}")
+    return record.write_tiny(root / family, speech=True)
 
 
 def run_family(family: str, audio: np.ndarray, args, root: Path) -> dict:

@@ -44,7 +44,9 @@ class ModelFamily:
     # (shape, layers, vocab) -> (the port's language model at that shape, RoPE axes): the stream benchmark's model
     language_model: Callable[..., tuple[Any, int]] | None = None
     voicer: Callable[..., Any] | None = None  # (session, checkpoint path) -> the speech stack; None: no speech
-    write_tiny: Callable[[Path], Path] | None = None  # writes a tiny random checkpoint in the released layout
+    # writes a tiny random checkpoint in the released layout: (dst, speech=False) -> its path; ``speech``: with the
+    # speech stack (families with a voicer)
+    write_tiny: Callable[..., Path] | None = None
     # ``omnitide convert``'s extra parts: (src, config) -> None, or a writer (dst) -> the line to print, loaded
     # before the weights are written so a broken part fails first (Qwen2.5-Omni's talker, token2wav and voices)
     convert_extra: Callable[[Path, dict], Callable[[Path], str] | None] | None = None

@@ -69,6 +69,21 @@ class Retention:
                 f"{self.policy.high - self.history.system_tokens} next to the system prompt, so it would be evicted "
                 "as soon as it was computed: shorten it or raise high")
 
+    def _pinned_uids(self) -> frozenset[int]:
+        """The units ``hold_turn`` keeps whole: from the first unit at or after its stream time on (the spoken
+        turn's media, its text and its question)."""
+        since = self._turn_since
+        if since is None:
+            return frozenset()
+        out, held = set(), False
+        for u in self.history:
+            if u.kind is UnitKind.SYSTEM:
+                continue
+            held = held or (u.t is not None and u.t >= since)
+            if held:
+                out.add(u.uid)
+        return frozenset(out)
+
     def _room(self) -> int:
         return self.cache.table.free_slots_for(AllocClass.RECENT_CONTEXT, self._max_slots)
 

@@ -105,11 +105,12 @@ def voicer(model, checkpoint):
     return load_minicpm_speech(model, checkpoint)
 
 
-def write_tiny(dst: Path) -> Path:
-    """A tiny random checkpoint in the released layout with the real tokenizer (tests/data/tokenizers)."""
+def write_tiny(dst: Path, speech: bool = False) -> Path:
+    """A tiny random checkpoint in the released layout with the real tokenizer (tests/data/tokenizers);
+    ``speech``: with its TTS and assets/token2wav."""
     from .tiny import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(dst)
+    return make_tiny_checkpoint(dst, tts=True, seed=3) if speech else make_tiny_checkpoint(dst)
 
 
 FAMILY = ModelFamily(

@@ -117,12 +117,16 @@ def convert_extra(src: Path, config: dict):
     return write
 
 
-def write_tiny(dst: Path) -> Path:
-    """A tiny random checkpoint in the released layout with the real Qwen2 tokenizer (tests/data/tokenizers)."""
+def write_tiny(dst: Path, speech: bool = False) -> Path:
+    """A tiny random checkpoint in the released layout with the real Qwen2 tokenizer (tests/data/tokenizers);
+    ``speech``: with a talker, token2wav and voices (seed 1: its talker speaks to a first question)."""
     from .tiny import make_tiny_checkpoint
 
     repo = Path(__file__).resolve().parents[3]
-    return make_tiny_checkpoint(dst, tokenizer_dir=repo / "tests" / "data" / "tokenizers" / "qwen2", vocab="real")
+    tokenizers = repo / "tests" / "data" / "tokenizers" / "qwen2"
+    if speech:
+        return make_tiny_checkpoint(dst, tokenizer_dir=tokenizers, speech=True, seed=1)
+    return make_tiny_checkpoint(dst, tokenizer_dir=tokenizers, vocab="real")
 
 
 FAMILY = ModelFamily(
