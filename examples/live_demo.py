@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spoken questions: answer each utterance when the speaker stops; speech interrupts a reply")
     p.add_argument("--hangover", type=positive_float, default=None, metavar="S",
                    help="--voice: seconds of silence that end an utterance (default 0.5)")
+    p.add_argument("--headphones", action="store_true",
+                   help="--voice: the microphone cannot hear the answers (no echo gate: barge-in at any volume)")
     return p
 
 
@@ -254,6 +256,7 @@ def run_voice(session, args, console: Console, scripted, stop: threading.Event, 
         speech = SpeechOptions(speaker=args.speaker)
     view = VoiceConsole(console, args)
     conv = Conversation(session, detector=UtteranceDetector(cfg), speak=args.speak, speech=speech, threaded=True,
+                        echo_reference=not args.headphones and args.source is None,
                         on_event=view.on_event, **sampling_kwargs(args))
     clock = {"t": 0.0, "done": False, "error": None}
     producer = threading.Thread(target=capture_loop, args=(conv, args, stop, clock, capture), daemon=True)

@@ -100,6 +100,7 @@ class Turn:
     _reply_uid: int | None = field(default=None, repr=False)
     _interrupt: threading.Event = field(default_factory=threading.Event, repr=False)
     _generated: bool = field(default=False, repr=False)
+    _play_cursor: float | None = field(default=None, repr=False)  # stream time the next reply chunk plays at
 
     def to_json(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()
@@ -111,14 +112,16 @@ class Conversation:
 
     ``detector``: an utterance detector (default: ``omnitide_mlx.vad.UtteranceDetector()``, Silero VAD in MLX);
     ``speak``/``speaker``/``speech``: spoken replies as in ``OmniSession.ask``; ``barge_in``: speech during a reply
-    interrupts it; ``step``: a context manager every model step runs in (the server's compute gate; default a lock
+    interrupts it; ``echo_reference``: give the reply's audio to the detector as the loudspeaker's echo reference
+    (on: speakers; off: headphones, files, or a browser that cancels its own echo); ``step``: a context manager every model step runs in (the server's compute gate; default a lock
     of the conversation's own, so the detector and a reply on the worker thread never run MLX at once);
     ``ask_kwargs``: sampling options for every reply (``max_tokens``, ``temp``, ``seed``, ...).
     """
 
     def __init__(self, session, *, detector=None, speak: bool = False, speaker: str | None = None, speech=None,
                  barge_in: bool = True, threaded: bool = False, on_event: Callable[[TurnEvent], None] | None = None,
-                 step: Callable[[], contextlib.AbstractContextManager] | None = None, **ask_kwargs):
+                 step: Callable[[], contextlib.AbstractContextManager] | None = None, echo_reference: bool = True,
+                 **ask_kwargs):
         if not hasattr(session.adapter, "turn_unit"):
             raise ValueError("this model cannot hear spoken questions (it takes no audio): a conversation needs an "
                              "omni model")
@@ -132,6 +135,7 @@ class Conversation:
         self.session, self.detector = session, detector
         self.speak, self.barge_in, self.threaded = bool(speak), bool(barge_in), bool(threaded)
         self.on_event = on_event
+        self.echo_reference = bool(echo_reference)
         if step is None:
             own = threading.Lock()
 
@@ -342,9 +346,8 @@ class Conversation:
                     else:
                         if item.pcm.size and turn._first_audio_wall is None:
                             turn._first_audio_wall, model_audio = now, model[0]
-                            self._feed_reference(item)
-                        elif item.pcm.size:
-                            self._feed_reference(item)
+                        if item.pcm.size:
+                            self._feed_reference(turn, item)
                         turn.audio_seconds += item.seconds
                         turn._audio_complete = bool(item.final)
                         events.append(self._emit("reply_audio", turn, self.stream_time, audio=item))
@@ -443,10 +446,17 @@ class Conversation:
                            data={"voiced_seconds": round(voiced_s, 3), "voiced_tokens": keep,
                                  "tokens": turn.tokens})]
 
-    def _feed_reference(self, chunk) -> None:
-        push = getattr(self.detector, "push_reference", None)
-        if push is not None:
-            push(np.asarray(chunk.pcm, dtype=np.float32), chunk.sample_rate)
+    def _feed_reference(self, turn: Turn, chunk) -> None:
+        """The detector hears the reply's chunk as the loudspeaker will play it: from the reply's start in stream
+        time (inline), or from when the first chunk was ready (threaded), chunk after chunk."""
+        push = getattr(self.detector, "push_reference", None) if self.echo_reference else None
+        if push is None:
+            return
+        if turn._play_cursor is None:
+            turn._play_cursor = turn.reply_start if not self.threaded else self.stream_time
+        with self._lock:
+            push(np.asarray(chunk.pcm, dtype=np.float32), chunk.sample_rate, turn._play_cursor)
+        turn._play_cursor += chunk.seconds
 
     def _last_reply_uid(self) -> int | None:
         from .core.units import UnitKind

@@ -115,7 +115,8 @@ def test_spoken_turns_hold_their_units_through_retention(tiny_checkpoints, tmp_p
 def test_speech_during_a_spoken_reply_interrupts_it_and_keeps_what_was_voiced(speaking_qwen, tmp_path):
     q1, q2 = speak("Tell me a long story about the sea.", tmp_path), speak("Stop, stop.", tmp_path)
     session = OmniSession(str(speaking_qwen), policy="full")
-    conv = Conversation(session, speak=True, max_tokens=40, seed=3)  # this seed's tiny talker speaks for 2.8 s
+    # headphones: the microphone never hears the reply (speakers: tests/vad and the echo test below)
+    conv = Conversation(session, speak=True, max_tokens=40, seed=3, echo_reference=False)  # speaks for 2.8 s
     # the first question, then silence until its reply starts (inline: the reply is generated in that push and
     # plays from there on in stream time)
     audio, first, i = track(6.0, [(0.5, q1)]), [], 0
@@ -246,3 +247,48 @@ def test_live_demo_voice_headless_prints_each_turn(tiny_checkpoints, family):
                           "--voice", "--no-mic"], capture_output=True, text=True, timeout=120, cwd=repo,
                          stdin=subprocess.DEVNULL)
     assert bad.returncode == 2 and "--voice needs the microphone" in bad.stderr
+
+
+@needs_espeak
+def test_with_speakers_the_replys_own_echo_does_not_interrupt_it_but_the_user_does(speaking_qwen, tmp_path):
+    """Speakers simulated: the reply's audio comes back into the microphone 60 ms late at -12 dB. The echo gate
+    (the reply given to the detector as reference) keeps it from starting a turn; the user speaking over it still
+    interrupts."""
+    q1, q2 = speak("Tell me a long story about the sea.", tmp_path), speak("Stop, stop.", tmp_path)
+
+    def first_turn(conv):
+        audio, got, i = track(6.0, [(0.5, q1)]), [], 0
+        while not any(e.kind == "reply_started" for e in got):
+            got += conv.push(audio=audio[i:i + 4000])
+            i += 4000
+        pcm = np.concatenate([e.audio.pcm for e in got if e.kind == "reply_audio" and e.audio.pcm.size])
+        rate = next(e.audio.sample_rate for e in got if e.kind == "reply_audio")
+        n = int(pcm.size * SR / rate)
+        echo = np.interp(np.arange(n) * rate / SR, np.arange(pcm.size), pcm).astype(np.float32)
+        # the loudspeaker plays the reply at the user's speech level; the room brings it back 60 ms late at -12 dB
+        level = float(np.sqrt(np.mean(q2[np.abs(q2) > 1e-3] ** 2)) / np.sqrt(np.mean(echo ** 2) + 1e-12))
+        return np.concatenate([np.zeros(int(0.06 * SR), np.float32), echo * level * 10 ** (-12 / 20)])
+
+    from omnitide_mlx.vad import UtteranceDetector
+
+    for gate, user in ((True, False), (True, True)):
+        session = OmniSession(str(speaking_qwen), policy="full")
+        detector, pushed = UtteranceDetector(), []
+        real_push = detector.push_reference
+        detector.push_reference = lambda a, r, t: (pushed.append((t, a.size / r)), real_push(a, r, t))
+        conv = Conversation(session, detector=detector, speak=True, max_tokens=40, seed=3, echo_reference=gate)
+        echo = first_turn(conv)
+        # the reply's chunks reach the detector as the loudspeaker plays them: back to back from the reply's start
+        turn = conv.turns[0]
+        assert pushed and pushed[0][0] == pytest.approx(turn.reply_start)
+        for (t0, d0), (t1, _) in zip(pushed, pushed[1:]):
+            assert t1 == pytest.approx(t0 + d0)
+        assert sum(d for _, d in pushed) == pytest.approx(turn.audio_seconds)
+        # the user speaks once the gate has learned the room (it adapts within the first second of playback)
+        mic = track(echo.size / SR + 0.5, [(0.0, echo)] + ([(0.9, q2)] if user else []), seed=4)
+        events = push_track(conv, mic, chunk_s=0.05, frames=False)
+        kinds = [e.kind for e in events]
+        if user:
+            assert "reply_interrupted" in kinds, (gate, user, kinds)
+        else:
+            assert "speech_started" not in kinds and "reply_interrupted" not in kinds, kinds

@@ -75,6 +75,7 @@ class VoiceTurns:
         speak = speech_options is not None
         self.conv = Conversation(session, detector=UtteranceDetector(vad_config(args)), speak=speak,
                                  speech=speech_options, barge_in=not args.no_barge_in, threaded=False,
+                                 echo_reference=False,  # a file's soundtrack never holds the reply
                                  on_event=self._show, **self._kw)
 
     def push(self, frame, audio, t) -> None:

@@ -17,8 +17,8 @@ WebSocket protocol (``/v1/sessions/{id}/ws``; JSON text messages, or binary ``[u
    defaults; temperature 0 = greedy; the text's temp / top_p / top_k do not apply to speech)
   {"type": "cancel"[, "id"]}   {"type": "flush"}   {"type": "stats"}   {"type": "save", "name": "..."}
   {"type": "ping"}
-  {"type": "voice", "enabled": true, "speak": false, "speaker": null, "barge_in": true, "hangover": 0.6,
-   "vad_threshold": 0.5, "max_utterance": 30, + ask's sampling fields}: spoken turns (docs/usage.md)
+  {"type": "voice", "enabled": true, "speak": false, "speaker": null, "barge_in": true, "echo_reference": true,
+   "hangover": 0.5, "vad_threshold": 0.5, "max_utterance": 30, + ask's sampling fields}: spoken turns (docs/usage.md)
 Server -> client:
   ready {session, stats, limits}; pushed {seq, updates}; update {seq, record}; answer_start / piece {id, text} /
   audio {id, index, format: pcm_s16le, sample_rate, data: b64, final, note} (spoken answers);

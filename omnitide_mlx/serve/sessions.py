@@ -101,7 +101,8 @@ def voice_args(msg: dict, manager: "SessionManager") -> dict:
     settings and the replies' sampling."""
     enabled = msg.get("enabled", True)
     speak, barge_in, speaker = msg.get("speak", False), msg.get("barge_in", True), msg.get("speaker")
-    for name, v in (("enabled", enabled), ("speak", speak), ("barge_in", barge_in)):
+    echo = msg.get("echo_reference", True)
+    for name, v in (("enabled", enabled), ("speak", speak), ("barge_in", barge_in), ("echo_reference", echo)):
         if not isinstance(v, bool):
             raise ClientError("bad_request", f"{name} must be true or false")
     if speaker is not None and not isinstance(speaker, str):
@@ -124,7 +125,8 @@ def voice_args(msg: dict, manager: "SessionManager") -> dict:
     except ValueError as e:
         raise ClientError("bad_request", str(e)) from None
     sampling = sampling_from(msg, manager.config.default_max_tokens, manager.config.limits.max_tokens)
-    return {"enabled": enabled, "speak": speak, "speaker": speaker, "barge_in": barge_in, "vad": vad,
+    return {"enabled": enabled, "speak": speak, "speaker": speaker, "barge_in": barge_in, "echo_reference": echo,
+            "vad": vad,
             "sampling": sampling}
 
 
@@ -392,6 +394,7 @@ class ManagedSession:
                 self.conversation = Conversation(
                     self.session, detector=UtteranceDetector(args["vad"]), speak=args["speak"], speech=speech,
                     barge_in=args["barge_in"], threaded=True, on_event=self._turn_event, step=self.manager.gate.step,
+                    echo_reference=args["echo_reference"],
                     **args["sampling"])
         except ValueError as e:
             raise ClientError("bad_request", str(e)) from None
