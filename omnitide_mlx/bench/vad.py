@@ -7,7 +7,7 @@ Detectors (each skipped, and said so in the JSON, when its package is missing):
 - ``silero-jit-ckpt``: the same port with the weights of the wheel's TorchScript model (a newer checkpoint than its
   safetensors; needs torch to read them), to show what the checkpoint changes;
 - ``webrtc-N``: ``webrtcvad-wheels`` (the WebRTC GMM detector) at aggressiveness N, 30 ms frames, speech or not;
-- ``micro``: ``pymicro-vad`` (microWakeWord's VAD model), probability >= 0.5 per 10 ms frame (its first frames,
+- ``micro``: ``pymicro-vad`` (a small self-contained model), probability >= 0.5 per 10 ms frame (its first frames,
   which return -1 while it fills its window, count as non-speech).
 
 Audio (``vad/testaudio.py``): questions spoken by espeak-ng in several voices and rates, 3 per clip, over silence,
@@ -401,8 +401,8 @@ def markdown(result: dict) -> str:
             v = row["detectors"][n][key]
             cells.append("-" if v is None else (f"{v:.3f}" if row["speech"] else f"FPR {v:.3f}"))
         lines.append(f"| {row['name']} | {100 * row['speech_fraction']:.0f} | " + " | ".join(cells) + " |")
-    lines += ["", "Utterances (VADConfig defaults on every detector's frames; clean, and white / pink / music at 20 and "
-              "10 dB, pooled):", "",
+    lines += ["", "Utterances (VADConfig defaults on every detector's frames; clean, and white / pink / music at "
+              "20 and 10 dB, pooled):", "",
               "| detector | onset delay median / max (s) | end delay median / max (s) | missed | false starts | "
               "false starts / min, no speech |", "|---|---:|---:|---:|---:|---:|"]
     for n in result["detectors"]:

@@ -18,6 +18,10 @@ Times are stream seconds: the audio fed so far, at its own rate. An event's ``t_
 utterance, widened by ``speech_pad_s`` (never before the previous utterance's end nor past the decision);
 ``decided_at`` is the stream time of the chunk that decided it, so ``decided_at - t_end`` of an end event is the
 hangover the caller waited.
+
+With a loudspeaker, ``push_reference(audio, rate, t)`` tells the detector what the player plays from stream time
+``t``, so the reply's own voice coming back does not start an utterance (vad/echo.py; measured in
+docs/benchmarks.md, "Voice activity detection").
 """
 
 from __future__ import annotations

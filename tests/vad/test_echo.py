@@ -43,7 +43,7 @@ def _mic(reply16, delay_s, gain_db, n, user=None, user_at=None, seed=0):
     return mic
 
 
-def _run(model, mic, played=None, cut=None, chunk=4000):
+def _run(model, mic, played=None, chunk=4000):
     d = UtteranceDetector(VADConfig(), model=model)
     if played is not None:
         d.push_reference(played, PLAY, REPLY_AT)
