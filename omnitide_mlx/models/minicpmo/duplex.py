@@ -463,11 +463,11 @@ class DuplexSession:
                 self._feed(self._embed([ids["chunk_eos"]]))
                 unit.ids.append(ids["chunk_eos"])
                 break
-            if self.record:
-                unit.step_logits.append(logits)
             if force_listen:
                 token = ids["listen"]
             else:
+                if self.record:
+                    unit.step_logits.append(logits)
                 token = self.decoder(logits, cfg)
                 if token == ids["listen"] and not self.current_turn_ended:
                     token = ids["tts_bos"]  # no listening in the middle of a turn
