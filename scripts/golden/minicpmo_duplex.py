@@ -26,6 +26,8 @@ What it does:
   recorded as (drawn id, its probability, the 16 most probable ids and their probabilities);
   ``basic_window``: ``greedy`` with ``sliding_window_mode="basic"``, watermarks 300 / 250 (units dropped from the
   third speaking unit on, the kept keys re-rotated);
+  ``options``: ``force_listen_count`` 2, ``max_slice_nums`` 2 on 640x480 frames (a source image and 2 slices),
+  a text-only unit, and per unit ``listen_prob_scale`` 0.5, ``listen_top_k`` 2, ``max_new_speak_tokens_per_chunk`` 8;
 - records per unit: the unit's generated ids (``total_ids`` up to ``</unit>``), the result (listen, text,
   end_of_turn), the LLM cache length, the streaming Whisper cache length, the TTS condition and audio tokens, and
   for each decode step the logits at LOGIT_IDS (every added token + 400 fixed random ids) and the 16 largest.
@@ -57,6 +59,12 @@ SESSIONS = {
     "sampled": {"prefix": PREFIX, "suffix": SUFFIX, "ref_audio": 98, "mode": "sampling", "units": GREEDY_UNITS[:12]},
     "basic_window": {"prefix": PREFIX, "suffix": SUFFIX, "ref_audio": 99, "mode": "greedy", "units": GREEDY_UNITS,
                      "window": {"high": 300, "low": 250}},
+    "options": {"prefix": PREFIX, "suffix": SUFFIX, "ref_audio": None, "mode": "greedy", "force_listen_count": 2,
+                "max_slice_nums": 2, "generate": {"listen_prob_scale": 0.5, "listen_top_k": 2,
+                                                  "max_new_speak_tokens_per_chunk": 8},
+                "units": [{"audio": 0}, {"audio": 1, "big_frame": 1}, {"text": "what do you see"}, {"audio": 3},
+                          {"audio": 4, "big_frame": 4}, {"audio": 5}, {"frame": 6}, {"audio": 7}, {"audio": 8},
+                          {"audio": 9, "text": "and now"}]},
 }
 TOP = 16
 TOP_DRAW = 16
@@ -71,6 +79,10 @@ def make_audio(u: int) -> np.ndarray:
 
 def make_frame(u: int) -> np.ndarray:
     return np.random.default_rng(200 + u).integers(0, 256, (60, 80, 3), dtype=np.uint8)
+
+
+def make_big_frame(u: int) -> np.ndarray:
+    return np.random.default_rng(300 + u).integers(0, 256, (480, 640, 3), dtype=np.uint8)
 
 
 def logit_ids(vocab: int) -> np.ndarray:
@@ -143,7 +155,7 @@ def build(mods, ckpt: Path, tmp: Path):
     return model, processor, tok
 
 
-def make_duplex(mods, model, processor, tok, decoding_mode: str, window: dict | None = None):
+def make_duplex(mods, model, processor, tok, window: dict | None = None, force_listen_count: int = 0):
     """``MiniCPMODuplex.__init__`` (modeling_minicpmo.py:2304-2478) without loading, casting or CUDA."""
     import threading
 
@@ -157,7 +169,7 @@ def make_duplex(mods, model, processor, tok, decoding_mode: str, window: dict | 
     d.break_event, d.session_stop_event = threading.Event(), threading.Event()
     d.max_new_speak_tokens_per_chunk, d.text_repetition_penalty = 20, 1.05
     d.temperature, d.top_k, d.top_p, d.text_repetition_window_size = 0.7, 20, 0.8, 512
-    d.listen_prob_scale, d.force_listen_count = 1.0, 0
+    d.listen_prob_scale, d.force_listen_count = 1.0, force_listen_count
     d.tts_temperature = torch.tensor([0.8], dtype=torch.float)
     d.tts_repetition_penalty = 1.05
     d.CHUNK_MS, d.FIRST_CHUNK_MS, d.CNN_REDUNDANCY_MS, d.SAMPLE_RATE = 1000, 1035, 20, 16000
@@ -187,7 +199,6 @@ def make_duplex(mods, model, processor, tok, decoding_mode: str, window: dict | 
     d.tts_logits_processors = modeling.gen_logits(num_code=model.tts.config.num_audio_tokens, repetition_penalty=1.05)
     d.tts_eos_token = torch.tensor([model.tts.config.num_audio_tokens - 1], dtype=torch.long)
     d._reset_streaming_state()
-    d.decode_mode = decoding_mode
     return d
 
 
@@ -226,7 +237,7 @@ def run_session(mods, ckpt: Path, tmp: Path, name: str, spec: dict):
     from PIL import Image
 
     model, processor, tok = build(mods, ckpt, tmp / name)
-    d = make_duplex(mods, model, processor, tok, spec["mode"], spec.get("window"))
+    d = make_duplex(mods, model, processor, tok, spec.get("window"), spec.get("force_listen_count", 0))
     ids_at = logit_ids(model.config.vocab_size)
     steps: list = []
     real_decode = d.decoder.decode
@@ -258,12 +269,14 @@ def run_session(mods, ckpt: Path, tmp: Path, name: str, spec: dict):
         for u, inp in enumerate(spec["units"]):
             steps.clear()
             n_cond, n_calls, n_ids = len(conditions), len(model.tts.audio_tokenizer.calls), len(d.total_ids)
+            frames = [Image.fromarray(make_frame(inp["frame"]))] if "frame" in inp else \
+                [Image.fromarray(make_big_frame(inp["big_frame"]))] if "big_frame" in inp else None
             pre = d.streaming_prefill(audio_waveform=make_audio(inp["audio"]) if "audio" in inp else None,
-                                      frame_list=[Image.fromarray(make_frame(inp["frame"]))] if "frame" in inp else None,
-                                      text_list=[inp["text"]] if "text" in inp else None)
+                                      frame_list=frames, text_list=[inp["text"]] if "text" in inp else None,
+                                      max_slice_nums=spec.get("max_slice_nums", 1))
             assert pre["success"], pre
             mode = d.current_mode
-            res = d.streaming_generate(decode_mode=spec["mode"])
+            res = d.streaming_generate(decode_mode=spec["mode"], **spec.get("generate", {}))
             gen_ids = d.total_ids[n_ids:]
             dropped = d.decoder._total_dropped_units
             tts_tokens = []

@@ -25,8 +25,8 @@ Deviations (numerically invisible unless noted): the official code feeds each to
 to float rounding); ``prepare`` starts a fresh streaming Whisper cache (the official one keeps the previous
 session's, a leftover of ``MiniCPMO.reset_session`` not being called); a unit whose audio cannot fill a chunk is
 refused before anything is fed, its samples kept for the next unit (officially the unit is left open with no
-decision); the model stays float32 (the
-official class casts to bfloat16).
+decision); the model runs in the dtype it was loaded with (the official class casts to bfloat16; the parity tests
+use float32).
 """
 
 from __future__ import annotations
@@ -463,11 +463,11 @@ class DuplexSession:
                 self._feed(self._embed([ids["chunk_eos"]]))
                 unit.ids.append(ids["chunk_eos"])
                 break
-            if self.record:
-                unit.step_logits.append(logits)
             if force_listen:
                 token = ids["listen"]
             else:
+                if self.record:
+                    unit.step_logits.append(logits)
                 token = self.decoder(logits, cfg)
                 if token == ids["listen"] and not self.current_turn_ended:
                     token = ids["tts_bos"]  # no listening in the middle of a turn

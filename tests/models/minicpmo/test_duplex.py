@@ -34,6 +34,10 @@ def make_frame(u: int) -> np.ndarray:
     return np.random.default_rng(200 + u).integers(0, 256, (60, 80, 3), dtype=np.uint8)
 
 
+def make_big_frame(u: int) -> np.ndarray:
+    return np.random.default_rng(300 + u).integers(0, 256, (480, 640, 3), dtype=np.uint8)
+
+
 @pytest.fixture(scope="module")
 def golden():
     return json.loads((DATA / "golden.json").read_text()), np.load(DATA / "golden.npz")
@@ -55,9 +59,11 @@ def run(model, processor, spec: dict, generate: dict | None = None, **kw):
     units = []
     for unit in spec["units"]:
         inp = unit["inputs"]
+        frames = [make_frame(inp["frame"])] if "frame" in inp else \
+            [make_big_frame(inp["big_frame"])] if "big_frame" in inp else None
         mode = s.streaming_prefill(audio_waveform=make_audio(inp["audio"]) if "audio" in inp else None,
-                                   frame_list=[make_frame(inp["frame"])] if "frame" in inp else None,
-                                   text_list=inp.get("text"))
+                                   frame_list=frames, text_list=inp.get("text"),
+                                   max_slice_nums=spec.get("max_slice_nums", 1))
         windows_before = len(s.t2w_windows)
         r = s.streaming_generate(**(generate or {}))
         units.append((mode, r, s.audio_cache.length, s.t2w_windows[windows_before:]))
@@ -155,6 +161,23 @@ def test_basic_window_matches_official(duplex_model, golden):
     assert dropped.tolist() == [u["dropped_units_total"] for u in spec["units"]]
     assert dropped[-1] > 0 and all(u["kv_length"] <= spec["window"]["high"] for u in spec["units"])
     assert s.history.total_tokens == s.kv_length
+
+
+@pytest.mark.slow
+def test_options_session_matches_official(duplex_model, golden):
+    """The less common rules: force_listen_count, sliced frames (max_slice_nums 2 on 640x480: a source image and
+    its slices), a text-only unit, text after audio, and per-unit listen_prob_scale / listen_top_k / a shorter
+    max_new_speak_tokens_per_chunk."""
+    g, arrays = golden
+    spec = g["sessions"]["options"]
+    model, processor = duplex_model
+    _, _, units = run(model, processor, spec, generate={"decode_mode": "greedy", **spec["generate"]},
+                      decoding=DuplexDecoding(tts_greedy=True, force_listen_count=spec["force_listen_count"]))
+    check_unit_protocol("options", spec, units, arrays)
+    check_logits("options", units, arrays)
+    refs = spec["units"]
+    assert [u["ids"][0] for u in refs[:2]] == [LISTEN, LISTEN] and {"TEXT", "OMNI"} <= {u["mode"] for u in refs}
+    assert any(len(u["ids"]) == 9 and u["ids"][-2] == CHUNK_EOS for u in refs)  # forced at the 8th step
 
 
 def rope_np(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
