@@ -9,7 +9,6 @@ import socket
 import sys
 
 from .options import (
-    _number,
     add_model_arguments,
     add_policy_arguments,
     positive_float,
@@ -30,7 +29,10 @@ examples:
 
 
 def port_number(text: str) -> int:
-    v = _number(text, int)
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535 (0 picks a free one), got {v}")
     return v
@@ -58,8 +60,10 @@ def add_arguments(p) -> None:
     g.add_argument("--max-sessions", type=positive_int, default=4, help="sessions and requests at once (default 4)")
     g.add_argument("--max-message-bytes", default="8MiB", help="largest WebSocket message / request body "
                                                                 "(default 8MiB)")
-    g.add_argument("--max-frame-pixels", type=positive_int, default=1920 * 1080, help="largest frame (default 1920x1080)")
-    g.add_argument("--max-queued", type=positive_int, default=8, help="units / questions waiting per session (default 8)")
+    g.add_argument("--max-frame-pixels", type=positive_int, default=1920 * 1080,
+                   help="largest frame (default 1920x1080)")
+    g.add_argument("--max-queued", type=positive_int, default=8,
+                   help="units / questions waiting per session (default 8)")
     g.add_argument("--max-tokens-limit", type=positive_int, default=2048, help="most tokens a client may ask for "
                                                                       "(default 2048)")
     g.add_argument("--max-prompt-tokens", type=positive_int, default=16384,

@@ -208,7 +208,11 @@ def _prepare(manager: SessionManager, req: ChatRequest, cancel: threading.Event)
             s.flush()
         manager.check_prompt(s.history.total_tokens + question, counted="so far")
     except MediaError as e:
+        s = None  # the traceback keeps this frame: let the refused request's session (and its KV) go now
         raise ClientError("bad_media", str(e)) from None
+    except BaseException:
+        s = None
+        raise
     return s
 
 
@@ -301,11 +305,13 @@ async def chat_completions(manager: SessionManager, body: dict, request, *, text
     manager.claim_oneshot()
     cancel = threading.Event()
     watcher = asyncio.create_task(_until_disconnect(request, cancel))
+    s = it = None
     try:
         s = await loop.run_in_executor(manager.executor, _prepare, manager, req, cancel)
         it = await loop.run_in_executor(manager.executor, _open_answer, manager, s, req)
     except BaseException:
         watcher.cancel()
+        s = it = None
         manager.release_oneshot()
         raise
     cid = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
@@ -320,6 +326,7 @@ async def chat_completions(manager: SessionManager, body: dict, request, *, text
                                                 cancel)
         finally:
             watcher.cancel()
+            s = it = None  # the session goes before the slot's release gives MLX's buffers back
             manager.release_oneshot()
         reply = "".join(p for p in pieces if isinstance(p, str))
         if req.speak:  # OpenAI's audio output: the text is the audio's transcript

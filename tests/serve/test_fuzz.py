@@ -21,7 +21,8 @@ from omnitide_mlx.serve.decode import AUDIO_FILE_ALIASES, ClientError, decode_au
 LIMITS = Limits(max_frame_pixels=20000)
 
 
-def test_every_ffmpeg_format_name_as_input_audio_fetches_and_reads_nothing(listener, tmp_path, monkeypatch):  # noqa: F811
+def test_every_ffmpeg_format_name_as_input_audio_fetches_and_reads_nothing(listener, tmp_path,  # noqa: F811
+                                                                          monkeypatch):
     import av
 
     (tmp_path / "a.wav").write_bytes(encode("wav"))
@@ -147,12 +148,11 @@ def test_nested_and_huge_json_over_http(http):
     assert http.get("/health").json()["status"] == "ok"
 
 
+B64 = st.binary(max_size=40).map(lambda d: base64.b64encode(d).decode())
 WS_MESSAGE = st.one_of(
     st.fixed_dictionaries({"type": st.just("unit"), "seq": ODD, "t": ODD,
                            "frame": st.one_of(ODD, st.fixed_dictionaries({"format": st.one_of(FORMATS, ODD),
-                                                                          "data": st.one_of(ODD, st.binary(
-                                                                              max_size=40).map(lambda d: base64.b64encode(
-                                                                                  d).decode())),
+                                                                          "data": st.one_of(ODD, B64),
                                                                           "width": ODD, "height": ODD})),
                            "audio": st.one_of(ODD, st.fixed_dictionaries({"format": st.one_of(FORMATS, ODD),
                                                                           "sample_rate": ODD, "channels": ODD,

@@ -375,3 +375,40 @@ def test_a_speaker_without_speak_is_refused(server, http):
     assert err["type"] == "error" and err["code"] == "bad_request" and "speak" in err["message"]
     c.close()
     http.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.slow
+def test_a_one_shot_request_leaves_no_memory_behind(tiny_qwen, make_server):
+    """40 1080p frames in one request: the server's resident memory comes back to where it was (it stayed 2 GB
+    higher: MLX's buffer cache and glibc's freed heap), and a request refused at the session limit costs none."""
+    import base64
+    import io
+    import re
+
+    import httpx
+    import numpy as np
+    from PIL import Image
+
+    srv = make_server("--model", str(tiny_qwen), "--max-sessions", "1")
+
+    def rss_mib() -> int:
+        return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{srv.proc.pid}/status").read()).group(1)) // 1024
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((1080, 1920, 3), 120, np.uint8)).save(buf, "JPEG", quality=50)
+    part = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(
+        buf.getvalue()).decode()}}
+    body = {"messages": [{"role": "user", "content": [part] * 40 + [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 1}
+    with httpx.Client(base_url=srv.url, timeout=300) as h:
+        before = rss_mib()
+        sid = h.post("/v1/sessions", json={}).json()["id"]
+        r = h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 429 and rss_mib() - before < 100
+        h.delete(f"/v1/sessions/{sid}")
+        before = rss_mib()
+        assert h.post("/v1/chat/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 15
+        while rss_mib() - before > 250 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert rss_mib() - before < 250, (before, rss_mib())

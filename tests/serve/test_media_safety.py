@@ -4,7 +4,6 @@ names (no FFmpeg demuxer that opens other resources: hls, concat, playlists, pro
 
 import http.server
 import io
-import os
 import threading
 
 import numpy as np
