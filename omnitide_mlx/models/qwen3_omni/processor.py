@@ -34,12 +34,12 @@ CLIP_HALF = (0.5, 0.5, 0.5)
 
 
 def vision_settings(folder: Path | None) -> tuple[VisionSettings, dict]:
+    """The image / video settings and audio keywords of a checkpoint's ``preprocessor_config.json`` (Qwen3-Omni's
+    16-pixel patches and 0.5 mean / std where there is none), with transformers' Qwen3-Omni video pixel bounds."""
     vision, audio = read_preprocessor_config(folder) if folder is not None else (VisionSettings(), {})
-    defaults = VisionSettings()
     if folder is None or not (Path(folder) / "preprocessor_config.json").is_file():
         vision.patch_size, vision.image_mean, vision.image_std = 16, CLIP_HALF, CLIP_HALF
-    if vision.video_min_pixels == defaults.video_min_pixels:
-        vision.video_min_pixels, vision.video_max_pixels = 128 * 32 * 32, 768 * 32 * 32
+    vision.video_min_pixels, vision.video_max_pixels = 128 * 32 * 32, 768 * 32 * 32
     return vision, audio
 
 
