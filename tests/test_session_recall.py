@@ -173,3 +173,27 @@ def test_under_a_kv_budget_recall_brings_back_only_what_fits(model, chunks):
     assert max(peak + [s.cache.capacity]) * 512 <= budget and s.stats()["kv_bytes"] <= budget
     s.cache.page_table.validate()
     s.cache.page_table.check_history(s.history)
+
+
+def test_a_readmission_that_fails_leaves_the_session_as_it_was(model, chunks, monkeypatch):
+    s = _stream(model, chunks, policy="fifo", high=300, low=200, recall="10MB", recall_tokens=10_000)
+    before = s.history.to_json()
+    slots = np.concatenate([s.cache.slots_of_unit(u.uid) for u in s.history])
+    keys = np.array(s.cache.storage.read_rows(slots)[0])
+    calls = []
+
+    def failing(*a, **kw):  # the second unit's copy fails (out of memory, say)
+        if calls:
+            raise MemoryError("no room for the recalled rows")
+        calls.append(1)
+        return type(s.cache).readmit(s.cache, *a, **kw)
+
+    monkeypatch.setattr(s.cache, "readmit", failing)
+    with pytest.raises(MemoryError):
+        s.probe_logits([5, 6])
+    assert s.history.to_json() == before
+    s.cache.page_table.validate()
+    s.cache.page_table.check_history(s.history)
+    np.testing.assert_allclose(np.array(s.cache.storage.read_rows(slots)[0]), keys, atol=1e-4)
+    monkeypatch.undo()
+    assert s.probe_logits([5, 6]).shape == s.probe_logits([5, 6]).shape and s.last_recall()["uids"]

@@ -126,11 +126,20 @@ class Recall:
             return 0
         re = readmit_history(self.history, [e.unit for e in chosen])
         rest = [self.cache.slots_of_unit(u.uid) for u in self.history.stream_units]
-        self.cache.shift_keys(np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64), re.shift)
+        rest = np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
+        self.cache.shift_keys(rest, re.shift)
         t2 = time.perf_counter()
-        for e, delta in zip(chosen, re.deltas):
-            keys, values = self.recall.rows(e, delta)
-            self.cache.readmit(e.uid, e.serials, keys, values, AllocClass.SELECTED_HISTORY)
+        written = []
+        try:
+            for e, delta in zip(chosen, re.deltas):
+                keys, values = self.recall.rows(e, delta)
+                written.append(self.cache.readmit(e.uid, e.serials, keys, values, AllocClass.SELECTED_HISTORY))
+        except BaseException:  # put the cache back as the history has it, then let the error through
+            for slots in written:
+                self.cache.table.free(slots)
+                self.cache.storage.release(slots)
+            self.cache.shift_keys(rest, -re.shift)
+            raise
         self.history = re.history
         self._recalled = tuple(e.uid for e in chosen)
         t3 = time.perf_counter()
