@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: stream the bundled sample clip (10 s, a changing scene and speech) through an omni model with
 # OmniTide retention, asking questions at given times, and write the answers and the per-update KV figures to
-# results/stream.json.
+# results/stream.json; then the same clip with spoken questions, answered as a conversation (results/voice.json).
 # The model is $OMNITIDE_MODEL if set, else Qwen/Qwen2.5-Omni-3B when it is in the local Hugging Face cache
 # (a Mac with the weights), else a tiny random checkpoint in the released layout (answers are then noise).
 set -euo pipefail
@@ -24,3 +24,8 @@ set -x
   --ask "3:What colour is the background?" --ask "6:What is the capital of France, according to the speaker?" \
   --ask "10:Which words have appeared on the screen?" --high 1500 --low 1000 --max-tokens 32 --stats \
   --json results/stream.json
+# A spoken conversation on the same clip: its soundtrack replaced by two spoken questions (at 0.8 s and 5.2 s);
+# a voice-activity detector hears each one end and the model answers it (results/voice.json records the turns).
+.venv/bin/omnitide stream --model "$model" --video assets/media/video_10s_av.mp4 \
+  --audio assets/media/spoken_questions_10s.flac --voice --high 1500 --low 1000 --max-tokens 32 \
+  --json results/voice.json

@@ -292,3 +292,28 @@ def test_with_speakers_the_replys_own_echo_does_not_interrupt_it_but_the_user_do
             assert "reply_interrupted" in kinds, (gate, user, kinds)
         else:
             assert "speech_started" not in kinds and "reply_interrupted" not in kinds, kinds
+
+
+@needs_espeak
+def test_saving_while_the_user_speaks_keeps_everything_and_the_turn_goes_on(tiny_checkpoints, tmp_path):
+    """A save in the middle of an utterance (threaded: from the app's thread while capture pushes): the saved
+    session holds every unit streamed so far and restores; the live conversation still answers the question."""
+    q = speak("What is in the middle of the picture right now?", tmp_path, rate=130)
+    audio = track(0.4 + q.size / SR + 1.5, [(0.4, q)])
+    session = OmniSession(str(tiny_checkpoints["qwen"]), policy="full")
+    got = []
+    conv = Conversation(session, threaded=True, max_tokens=3, on_event=got.append)
+    half = int((0.4 + q.size / SR / 2) * SR) // 4000 * 4000
+    push_track(conv, audio[:half], frames=False)
+    assert any(e.kind == "speech_started" for e in got) and not any(e.kind == "speech_ended" for e in got)
+    session.save(tmp_path / "mid-turn")
+    units_at_save = len(session.history)
+    push_track(conv, audio[half:], frames=False)
+    conv.flush()
+    conv.close()
+    assert [e.kind for e in got].count("reply_done") == 1
+    restored = OmniSession.restore(tmp_path / "mid-turn")
+    assert len(restored.history) == units_at_save
+    assert restored.stats()["media"]["audio_seconds"] == pytest.approx(half // SR, abs=1e-6)
+    restored.push(audio=np.zeros(SR, np.float32))
+    assert isinstance(restored.answer(None, max_tokens=2), str)  # the restored stream answers a spoken turn too
