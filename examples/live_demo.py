@@ -192,6 +192,7 @@ class VoiceConsole:
         self.console, self.args = console, args
         self.writer = self.player = None
         self.turns = 0
+        self.paused = False
 
     def on_event(self, ev) -> None:
         kind = ev.kind
@@ -206,7 +207,10 @@ class VoiceConsole:
             print(ev.text, end="", flush=True)
         elif kind == "reply_audio":
             self._audio(ev)
+        elif kind in ("reply_paused", "reply_resumed"):  # a possible onset: stop playing until it is decided
+            self.paused = kind == "reply_paused"
         elif kind in ("reply_done", "reply_interrupted", "turn_error"):
+            self.paused = False
             self._end_audio()
             if kind == "reply_interrupted":
                 print(f"\n[{ev.t:6.2f}s] (interrupted: {ev.data['voiced_tokens']} of {ev.data['tokens']} tokens "
@@ -230,7 +234,7 @@ class VoiceConsole:
             self.writer = WavWriter(path, chunk.sample_rate)
             self.player = Player.open(chunk.sample_rate) if not self.args.source else None  # headless: files only
         self.writer.write(chunk)
-        if self.player is not None:
+        if self.player is not None and not self.paused:
             self.player.play(chunk)
 
     def _end_audio(self) -> None:
@@ -255,7 +259,7 @@ def run_voice(session, args, console: Console, scripted, stop: threading.Event, 
 
         speech = SpeechOptions(speaker=args.speaker)
     view = VoiceConsole(console, args)
-    conv = Conversation(session, detector=UtteranceDetector(cfg), speak=args.speak, speech=speech, threaded=True,
+    conv = Conversation(session, detector=UtteranceDetector(cfg, candidates=True), speak=args.speak, speech=speech, threaded=True,
                         echo_reference=not args.headphones and args.source is None,
                         on_event=view.on_event, **sampling_kwargs(args))
     clock = {"t": 0.0, "done": False, "error": None}

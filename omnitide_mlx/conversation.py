@@ -42,8 +42,8 @@ import numpy as np
 from .errors import MediaError
 from .media_decode import SAMPLE_RATE, as_mono_audio
 
-EVENT_KINDS = ("speech_started", "speech_ended", "reply_started", "reply_text", "reply_audio", "reply_interrupted",
-               "reply_done", "turn_error")
+EVENT_KINDS = ("speech_started", "speech_ended", "reply_started", "reply_text", "reply_audio", "reply_paused",
+               "reply_resumed", "reply_interrupted", "reply_done", "turn_error")
 
 # Speaking rate used to map voiced seconds to reply tokens while a reply's audio is still incomplete (English speech
 # at ~150 words a minute is ~3.3 BPE tokens a second); once the whole reply is voiced the reply's own ratio is used.
@@ -101,6 +101,7 @@ class Turn:
     _interrupt: threading.Event = field(default_factory=threading.Event, repr=False)
     _generated: bool = field(default=False, repr=False)
     _play_cursor: float | None = field(default=None, repr=False)  # stream time the next reply chunk plays at
+    _paused: bool = field(default=False, repr=False)  # a candidate onset paused the player
 
     def to_json(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()
@@ -128,7 +129,7 @@ class Conversation:
         if detector is None:
             from .vad import UtteranceDetector
 
-            detector = UtteranceDetector()
+            detector = UtteranceDetector(candidates=True)
         warm_up = getattr(session, "warm_up", None)
         if warm_up is not None:  # the first turn should not pay for imports and loading (SpeechUnavailable here)
             warm_up(speak=bool(speak))
@@ -257,6 +258,8 @@ class Conversation:
 
     def _on_detected(self, ev) -> list[TurnEvent]:
         events: list[TurnEvent] = []
+        if ev.kind in ("candidate", "dropped"):  # a possible onset: pause the answer at once, resume if it was not
+            return self._pause(ev)
         if ev.kind == "start":
             if getattr(ev, "reason", "onset") != "cap":  # speech that runs on past the cap is the next turn, it
                 events += self._interrupt_active(ev.decided_at)  # does not interrupt the answer to its first part
@@ -401,6 +404,27 @@ class Conversation:
             return self._done(turn)
         turn.interrupted_at = t
         return self._cut(turn, t)
+
+    def _pause(self, ev) -> list[TurnEvent]:
+        """A candidate onset while an answer plays or is generated: ``reply_paused`` (the player pauses now, one
+        detector chunk after the sound began); ``reply_resumed`` when it was not speech. A confirmed onset then
+        interrupts as usual."""
+        with self._lock:
+            turn = self._active
+        if turn is None or not self.barge_in:
+            return []
+        if ev.kind == "candidate":
+            if turn._paused:
+                return []
+            if not self.threaded and self._playback_position(turn, ev.decided_at) >= turn.audio_seconds and \
+                    turn._generated:
+                return []  # its audio has already played out
+            turn._paused = True
+            return [self._emit("reply_paused", turn, ev.decided_at, data={"onset": ev.t_start})]
+        if turn._paused:
+            turn._paused = False
+            return [self._emit("reply_resumed", turn, ev.decided_at)]
+        return []
 
     def _playback_position(self, turn: Turn, t: float) -> float:
         """Seconds of ``turn``'s audio played by stream time ``t`` (inline), or by now (threaded: what the app

@@ -131,6 +131,10 @@ def test_speech_during_a_spoken_reply_interrupts_it_and_keeps_what_was_voiced(sp
     assert "reply_interrupted" in kinds, (kinds, turn)
     cut = next(e for e in events if e.kind == "reply_interrupted")
     assert cut.t < turn.reply_start + turn.audio_seconds
+    # the player was paused first, one detector chunk after the first sound (the goal: audio stops < 100 ms)
+    paused = next(e for e in events if e.kind == "reply_paused")
+    assert kinds.index("reply_paused") < kinds.index("reply_interrupted")
+    assert paused.t - paused.data["onset"] <= 0.1, paused
     assert cut.data["voiced_tokens"] < cut.data["tokens"] == turn.tokens
     assert turn.interrupted and turn.voiced_tokens == cut.data["voiced_tokens"]
     reply = session.history.unit(turn._reply_uid)
@@ -317,3 +321,28 @@ def test_saving_while_the_user_speaks_keeps_everything_and_the_turn_goes_on(tiny
     assert restored.stats()["media"]["audio_seconds"] == pytest.approx(half // SR, abs=1e-6)
     restored.push(audio=np.zeros(SR, np.float32))
     assert isinstance(restored.answer(None, max_tokens=2), str)  # the restored stream answers a spoken turn too
+
+
+def test_a_click_pauses_the_answer_and_resumes_it(tiny_checkpoints, media_dir):
+    """60 ms of speech-like sound over a playing answer: paused at once (it could be the user), resumed when it is
+    too short to be an utterance; no turn starts and the answer is not cut."""
+    import soundfile as sf
+
+    from omnitide_mlx.vad import UtteranceDetector
+
+    session = OmniSession(str(tiny_checkpoints["qwen"]), policy="full")
+    conv = Conversation(session, detector=UtteranceDetector(candidates=True), max_tokens=2)
+    conv.ask("Hello?")
+    turn = conv.turns[0]
+    turn.audio_seconds, turn._generated = 5.0, True  # as if its 5 s of audio were playing from here
+    with conv._lock:
+        conv._active = turn
+    speech, _ = sf.read(media_dir / "speech_16k.wav", dtype="float32")
+    click = speech[int(0.3 * SR):int(0.36 * SR)]  # the onset of "Hello": Silero takes it for speech, briefly
+    audio = track(1.5, [(0.5, click)], seed=6)
+    events = []
+    for i in range(0, audio.size, 800):
+        events += conv.push(audio=audio[i:i + 800])
+    kinds = [e.kind for e in events]
+    assert kinds.count("reply_paused") == 1 and kinds.index("reply_resumed") > kinds.index("reply_paused"), kinds
+    assert "speech_started" not in kinds and "reply_interrupted" not in kinds and not turn.interrupted

@@ -105,7 +105,7 @@ def run_family(family: str, audio: np.ndarray, args, root: Path) -> dict:
     from ..vad import UtteranceDetector, VADConfig
 
     session = OmniSession(str(_checkpoint(family, root)), policy="omnitide")
-    detector = UtteranceDetector(VADConfig(hangover_s=args.hangover))
+    detector = UtteranceDetector(VADConfig(hangover_s=args.hangover), candidates=True)
     conv = Conversation(session, detector=detector, speak=True, threaded=args.threaded,
                         max_tokens=args.max_tokens, seed=0)
     rng = np.random.default_rng(0)
@@ -137,9 +137,10 @@ def run_family(family: str, audio: np.ndarray, args, root: Path) -> dict:
 
 
 def barge_in(session, audio: np.ndarray, args, repeats: int = 3) -> dict:
-    """Speech over a reply being generated (threaded, as apps run it): the detector's onset delay (stream ms from
-    the speech's start to the decision) plus the wall time from that decision to the reply's stop (the decode
-    step under way ends it). The speech is the soundtrack's first question, pushed in 50 ms pieces."""
+    """Speech over a reply being generated (threaded, as apps run it): stream ms from the speech's first sound to
+    ``reply_paused`` (the player stops: one detector chunk over the threshold), the detector's confirmed-onset
+    delay, and the wall time from that confirmation to the reply's stop (the decode step under way ends it). The
+    speech is the soundtrack's first question, pushed in 50 ms pieces."""
     import threading
 
     from ..conversation import Conversation
@@ -156,12 +157,14 @@ def barge_in(session, audio: np.ndarray, args, repeats: int = 3) -> dict:
             now = time.perf_counter()
             if ev.kind == "reply_text":
                 seen.set()
+            elif ev.kind == "reply_paused" and "pause_ms" not in marks:
+                marks["pause_ms"] = (ev.t - ev.data["onset"]) * 1000
             elif ev.kind == "speech_started" and "started" not in marks:
                 marks["started"], marks["onset_ms"] = now, (ev.t - ev.data["speech_start"]) * 1000
             elif ev.kind == "reply_interrupted":
                 marks["stopped"] = now
 
-        conv = Conversation(session, detector=UtteranceDetector(VADConfig(hangover_s=args.hangover)),
+        conv = Conversation(session, detector=UtteranceDetector(VADConfig(hangover_s=args.hangover), candidates=True),
                             threaded=True, on_event=on_event, max_tokens=100_000, stop=["\x00never"])
         conv.ask("Tell me everything.")
         seen.wait(120)
@@ -175,9 +178,10 @@ def barge_in(session, audio: np.ndarray, args, repeats: int = 3) -> dict:
         conv.close()
         if "stopped" in marks and "started" in marks:
             rows.append({"onset_ms": round(marks["onset_ms"], 2),
-                         "stop_ms": round((marks["stopped"] - marks["started"]) * 1000, 2)})
+                         "stop_ms": round((marks["stopped"] - marks["started"]) * 1000, 2),
+                         "pause_ms": round(marks.get("pause_ms", float("nan")), 2)})
     med = (lambda k: round(statistics.median(r[k] for r in rows), 2) if rows else None)  # noqa: E731
-    return {"runs": rows, "onset_ms": med("onset_ms"), "stop_ms": med("stop_ms"),
+    return {"runs": rows, "onset_ms": med("onset_ms"), "stop_ms": med("stop_ms"), "pause_ms": med("pause_ms"),
             "total_ms": round(med("onset_ms") + med("stop_ms"), 2) if rows else None}
 
 
@@ -219,12 +223,13 @@ def mac_prediction(hangover_s: float, bits: int = 4) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = ["| model | turns | VAD hangover ms | queue ms | last unit ms | first text ms | first audio ms | "
-             "overhead ms | VAD ms / audio s | barge-in: onset + stop ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "overhead ms | VAD ms / audio s | barge-in: audio paused ms | barge-in: onset + stop ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in result["families"]:
         m, b = f["median"], f.get("barge_in", {})
         lines.append(f"| tiny {f['family']} | {len(f['turns'])} | {m['vad_hangover_ms']} | {m['queue_ms']} | "
                      f"{m['last_unit_ms']} | {m['first_text_ms']} | {m['first_audio_ms']} | {m['overhead_ms']} | "
-                     f"{f['vad_ms_per_audio_second']} | {b.get('onset_ms')} + {b.get('stop_ms')} = "
+                     f"{f['vad_ms_per_audio_second']} | {b.get('pause_ms')} | {b.get('onset_ms')} + {b.get('stop_ms')} = "
                      f"{b.get('total_ms')} |")
     lines += ["", "| shape | machine | last unit ms | question ms | first chunk's codes ms | token2wav ms | "
                   "first audio ms | + hangover ms |", "|---|---|---|---|---|---|---|---|"]

@@ -73,7 +73,7 @@ class VoiceTurns:
         self._kw = {k: v for k, v in (("max_tokens", args.max_tokens), ("temp", args.temp), ("top_p", args.top_p),
                                       ("seed", getattr(args, "seed", None))) if v is not None}
         speak = speech_options is not None
-        self.conv = Conversation(session, detector=UtteranceDetector(vad_config(args)), speak=speak,
+        self.conv = Conversation(session, detector=UtteranceDetector(vad_config(args), candidates=True), speak=speak,
                                  speech=speech_options, barge_in=not args.no_barge_in, threaded=False,
                                  echo_reference=False,  # a file's soundtrack never holds the reply
                                  on_event=self._show, **self._kw)

@@ -392,7 +392,7 @@ class ManagedSession:
         try:
             with self.manager.gate.step():  # the conversation warms the session up (imports, speech models)
                 self.conversation = Conversation(
-                    self.session, detector=UtteranceDetector(args["vad"]), speak=args["speak"], speech=speech,
+                    self.session, detector=UtteranceDetector(args["vad"], candidates=True), speak=args["speak"], speech=speech,
                     barge_in=args["barge_in"], threaded=True, on_event=self._turn_event, step=self.manager.gate.step,
                     echo_reference=args["echo_reference"],
                     **args["sampling"])

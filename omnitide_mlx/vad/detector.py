@@ -83,7 +83,7 @@ class VADConfig:
 class SpeechEvent:
     """A detected utterance's start or end. ``t_start`` is set on both; ``t_end`` only on an end event."""
 
-    kind: str  # "start" | "end"
+    kind: str  # "start" | "end"; with candidates on, also "candidate" (a possible onset) and "dropped" (not one)
     t_start: float
     t_end: float | None
     decided_at: float
@@ -103,7 +103,11 @@ class _Track:
 class UtteranceDetector:
     """Silero VAD + the utterance rules over a live audio stream. Not thread-safe: one caller feeds it."""
 
-    def __init__(self, config: VADConfig | None = None, model: SileroVAD | None = None):
+    def __init__(self, config: VADConfig | None = None, model: SileroVAD | None = None, candidates: bool = False):
+        """``candidates``: also report a possible onset as soon as one chunk crosses the threshold ("candidate"),
+        and "dropped" when it does not last ``min_speech_s``: what a player needs to pause an answer within one
+        chunk of the user's first sound (a conversation's barge-in), before the onset is confirmed."""
+        self.candidates = bool(candidates)
         self.config = config if config is not None else VADConfig()
         if not isinstance(self.config, VADConfig):
             raise TypeError(f"config must be a VADConfig, got {type(self.config).__name__}")
@@ -120,7 +124,7 @@ class UtteranceDetector:
         self._buffer = np.zeros(0, np.float32)  # 16 kHz samples not yet in a chunk
         self._pos = 0  # 16 kHz samples run through the model (the buffer starts here)
         self._state = SileroState.zeros()
-        self._rules = UtteranceRules(self.config)
+        self._rules = UtteranceRules(self.config, candidates=self.candidates)
         self._echo = _echo(self.config)
         self.last_probs = np.zeros(0, np.float32)  # the probabilities of the last feed's chunks (for plots, tests)
 
@@ -210,7 +214,7 @@ class UtteranceDetector:
         self.config, self._rate, self._resampler = config, rate, resampler
         self._in_samples, self._in_offset = int(state["in_samples"]), float(state["in_offset"])
         self._buffer, self._pos, self._state = buffer, int(state["pos"]), silero
-        self._rules = UtteranceRules(config)
+        self._rules = UtteranceRules(config, candidates=self.candidates)
         self._rules.track, self._echo = track, echo
 
     # --- internals --------------------------------------------------------------------------------------------
@@ -246,8 +250,9 @@ class UtteranceRules:
     detector feeds it Silero's 32 ms chunks; the VAD benchmark feeds it the other detectors' frames, so all are
     timed by the same rules."""
 
-    def __init__(self, config: VADConfig):
+    def __init__(self, config: VADConfig, candidates: bool = False):
         self.config = config
+        self.candidates = candidates  # also "candidate" / "dropped" events (UtteranceDetector's ``candidates``)
         self.track = _Track()
 
     @property
@@ -260,9 +265,13 @@ class UtteranceRules:
         if t.phase == "idle":
             if on:
                 t.phase, t.onset = "candidate", start
+                if self.candidates:
+                    events.append(SpeechEvent("candidate", _seconds(start), None, _seconds(end), "onset"))
         if t.phase == "candidate":
             if off:
                 t.phase = "idle"
+                if self.candidates:
+                    events.append(SpeechEvent("dropped", _seconds(t.onset), None, _seconds(end), "onset"))
             elif end - t.onset >= round(cfg.min_speech_s * SAMPLE_RATE):
                 t.phase, t.silence_from = "speech", -1
                 t.onset = max(t.last_end, t.onset - self.pad)
@@ -291,8 +300,9 @@ class UtteranceRules:
         if t.phase == "speech":
             stop = end if t.silence_from < 0 else min(end, t.silence_from + self.pad)
             return [self._end(stop, end, "flush")]
+        dropped = t.phase == "candidate" and self.candidates
         t.phase = "idle"
-        return []
+        return [SpeechEvent("dropped", _seconds(t.onset), None, _seconds(end), "flush")] if dropped else []
 
     def _end(self, stop: int, decided: int, reason: str) -> SpeechEvent:
         t = self.track

@@ -247,3 +247,16 @@ def test_reset_forgets_everything(model, speech):
     d.reset()
     assert d.stream_time == 0 and not d.in_speech
     assert d.feed(clip, SR) + d.flush() == _run(model, clip)  # as a fresh detector, at 16 kHz
+
+
+def test_candidate_events_report_a_possible_onset_at_once(model, speech):
+    """candidates=True: the first chunk over the threshold is reported ("candidate"), then either the confirmed
+    "start" or "dropped"; without it the events are start / end only, as before."""
+    audio = np.concatenate([_sil(0.5), speech[:SR * 2], _sil(1.0)])
+    with_c = UtteranceDetector(model=model, candidates=True).feed(audio, SR)
+    plain = UtteranceDetector(model=model).feed(audio, SR)
+    assert [e.kind for e in plain] == [e.kind for e in with_c if e.kind in ("start", "end")]
+    first = with_c[0]
+    assert first.kind == "candidate" and with_c[1].kind in ("start", "dropped")
+    start = next(e for e in with_c if e.kind == "start")
+    assert first.decided_at < start.decided_at and first.decided_at - first.t_start <= 0.064
