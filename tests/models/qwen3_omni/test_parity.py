@@ -186,3 +186,20 @@ def test_routing_matches_transformers_router(q3, q3_hf):
     ref_order = np.argsort(ref_inds.numpy(), axis=-1)
     np.testing.assert_array_equal(ours_i, np.take_along_axis(ref_inds.numpy(), ref_order, -1))
     np.testing.assert_allclose(ours_s, np.take_along_axis(ref_scores.numpy(), ref_order, -1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [3, 40, 200])
+def test_grouped_experts_equal_gather_mm(q3, tokens):
+    """The CPU prefill route (experts as one padded batched matmul) computes what mlx-lm's gathered matmul does,
+    with experts that get no token, and is what a prefill on the CPU takes."""
+    import mlx.core as mx
+
+    from omnitide_mlx.models.qwen3_omni.language import CPU_GROUPED_MIN_PAIRS, _cpu_float, grouped_glu
+
+    model, _ = q3
+    glu = model.language_model.layers[0].mlp.switch_mlp
+    rng = np.random.default_rng(tokens)
+    x = mx.array(rng.standard_normal((1, tokens, 64)).astype(np.float32))
+    inds = mx.array(np.stack([rng.choice(8, 2, replace=False) for _ in range(tokens)])[None].astype(np.int32))
+    np.testing.assert_allclose(np.array(grouped_glu(glu, x, inds)), np.array(glu(x, inds)), rtol=0, atol=1e-5)
+    assert _cpu_float(glu) == (mx.default_device() == mx.cpu) and CPU_GROUPED_MIN_PAIRS <= 2 * 40
