@@ -52,7 +52,8 @@ def add_arguments(p) -> None:
     p.add_argument("--families", default="qwen2_5_omni,minicpmo",
                    help="model families (registry names) whose speaking tiny checkpoints run (comma-separated)")
     p.add_argument("--turns", type=int, default=3, help="spoken questions per model")
-    p.add_argument("--hangover", type=float, default=0.5, help="seconds of silence that end an utterance (the detector's default)")
+    p.add_argument("--hangover", type=float, default=0.5,
+                   help="seconds of silence that end an utterance (the detector's default)")
     p.add_argument("--max-tokens", type=int, default=24, help="reply tokens")
     p.add_argument("--threaded", action="store_true", help="replies on the worker thread (as apps run them)")
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON")
