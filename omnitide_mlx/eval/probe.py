@@ -46,11 +46,12 @@ class RetentionRecorder(RetentionPolicy):
     def config(self) -> dict:
         return self.policy.config()
 
-    def plan(self, history: History, scores=None) -> RetentionPlan | None:
+    def plan(self, history: History, scores=None, pinned=()) -> RetentionPlan | None:
         for u in history:
             if u.uid not in self.kept:
                 self.kept[u.uid] = np.arange(u.length)
-        plan = self.policy.plan(history, scores=scores)
+        plan = self.policy.plan(history, scores=scores, pinned=pinned) if pinned else \
+            self.policy.plan(history, scores=scores)
         if plan is not None and plan.tokens_after < plan.tokens_before:
             self.plans += 1
             for up in plan.units:

@@ -164,8 +164,10 @@ class Retention:
         t0 = time.perf_counter()
         evicted = migrated = 0
         scores = self.cache.token_scores(self.history) if self.policy.needs_scores else None
-        plan = (self.policy.plan(self.history, scores=scores, pinned=self._pinned_uids())
-                if not self._recalled else None)  # waits for release
+        pinned = self._pinned_uids()  # passed only when a turn is held: a user's own policy may not take it
+        plan = None if self._recalled else (  # waits for release
+            self.policy.plan(self.history, scores=scores, pinned=pinned) if pinned
+            else self.policy.plan(self.history, scores=scores))
         if plan is not None and plan.tokens_after < plan.tokens_before:
             evicted, migrated = self._apply_retention(plan)
         span = self.cache.layout_stats().physical_span
