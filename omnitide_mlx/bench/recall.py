@@ -33,7 +33,7 @@ COST_KEYS = ("probe_ms", "score_ms", "rerotate_ms", "copy_ms", "release_ms")
 
 def run(shape: str, layers: int, units: int, questions: int, max_tokens: int, recall: str,
         recall_tokens: int | None, kv_bits: int | None = None, policy: str = "omnitide") -> dict:
-    model = ShapeTrueModel(shape, layers=layers, setting="paper")  # the paper's units (MiniCPM-o 4.5: 675 tokens)
+    model = ShapeTrueModel(shape, layers=layers, setting="paper")  # the paper's units (MiniCPM-o 4.5: 672 tokens)
     quant = {"kv_bits": kv_bits} if kv_bits else {}
     plain = OmniSession(model, policy=policy, **quant)
     with_recall = OmniSession(model, policy=policy, recall=recall, recall_tokens=recall_tokens, **quant)
@@ -60,7 +60,8 @@ def run(shape: str, layers: int, units: int, questions: int, max_tokens: int, re
     stats = with_recall.stats()
     return {
         "command": "python -m omnitide_mlx.bench.recall " + " ".join(
-            [f"--shape {shape}", f"--policy {policy}", f"--layers {layers}", f"--units {units}", f"--questions {questions}",
+            [f"--shape {shape}", f"--policy {policy}", f"--layers {layers}", f"--units {units}",
+             f"--questions {questions}",
              f"--max-tokens {max_tokens}", f"--recall {recall}"]
             + ([f"--recall-tokens {recall_tokens}"] if recall_tokens else []) + ([f"--kv-bits {kv_bits}"] if kv_bits
                                                                                  else [])),
