@@ -346,3 +346,25 @@ def test_a_click_pauses_the_answer_and_resumes_it(tiny_checkpoints, media_dir):
     kinds = [e.kind for e in events]
     assert kinds.count("reply_paused") == 1 and kinds.index("reply_resumed") > kinds.index("reply_paused"), kinds
     assert "speech_started" not in kinds and "reply_interrupted" not in kinds and not turn.interrupted
+
+
+@pytest.fixture(scope="module")
+def speaking_minicpmo(tmp_path_factory):
+    from omnitide_mlx.models.family import get_family
+
+    return get_family("minicpmo").write_tiny(tmp_path_factory.mktemp("talk_mcpm") / "tiny", speech=True)
+
+
+@needs_espeak
+@pytest.mark.slow
+def test_minicpmo_answers_a_spoken_question_aloud_with_its_tts(speaking_minicpmo, tmp_path):
+    q = speak("What is happening in the kitchen?", tmp_path)
+    session = OmniSession(str(speaking_minicpmo), policy="full")
+    conv = Conversation(session, speak=True, max_tokens=24, seed=0)
+    events = push_track(conv, track(0.5 + q.size / SR + 1.5, [(0.5, q)])) + conv.flush()
+    kinds = [e.kind for e in events]
+    assert kinds.count("speech_ended") == 1 and "reply_started" in kinds
+    audio = [e.audio for e in events if e.kind == "reply_audio"]
+    assert audio and audio[-1].final and audio[0].sample_rate == 24000
+    assert sum(a.pcm.size for a in audio) > 0 and conv.turns[0].audio_seconds > 0
+    assert conv.turns[0].latency_ms["first_audio_ms"] is not None
