@@ -4,7 +4,7 @@ The shape is the released thinker's ``text_config`` (``Qwen/Qwen3-Omni-30B-A3B-I
 -Captioner thinkers share it), written down in ``config.released_thinker_config`` and docs/models/qwen3_omni.md.
 ``intermediate`` is one expert's width (``moe_intermediate_size`` 768; 8 of 128 experts run per token).
 Watermarks: the engine's 2500/1800 default; the paper has no figure for this model and none was measured here
-(docs/models/qwen3_omni.md, "What the family record needs").
+(docs/models/qwen3_omni.md, "The family record").
 No MLX import here: the functions import the folder's MLX code when called.
 """
 
