@@ -100,6 +100,22 @@ def voicer(model, checkpoint):
     return load_speech(Path(checkpoint), load_config(Path(checkpoint)))
 
 
+def convert_extra(src: Path, config: dict):
+    """The talker, code predictor and Code2Wav of a full checkpoint for ``omnitide convert``, copied in float under
+    ``speech/`` (None: a -Thinking or bare-thinker checkpoint has none). Loaded first, so a broken part fails
+    before any weight is written."""
+    from .speech import load_speech, save_speech
+
+    if not isinstance(config.get("talker_config"), dict):
+        return None
+    load_speech(Path(src), config)
+
+    def write(dst: Path) -> str:
+        return f"wrote the talker, code predictor and Code2Wav (float) to {save_speech(Path(src), Path(dst))}"
+
+    return write
+
+
 def write_tiny(dst: Path, speech: bool = False) -> Path:
     """A tiny random checkpoint in the released layout with the real Qwen2 BPE tokenizer and Qwen3-Omni's special
     tokens (tests/data/tokenizers/qwen2); ``speech``: with a tiny talker, code predictor and Code2Wav (the -Instruct
@@ -117,5 +133,5 @@ FAMILY = ModelFamily(
     hub_ids=("Qwen/Qwen3-Omni-30B-A3B-Instruct", "Qwen/Qwen3-Omni-30B-A3B-Thinking",
              "Qwen/Qwen3-Omni-30B-A3B-Captioner"),
     profiles=PROFILES, stream_units=stream_units, checkpoint_units=checkpoint_units,
-    language_model=language_model, voicer=voicer, write_tiny=write_tiny,
+    language_model=language_model, voicer=voicer, write_tiny=write_tiny, convert_extra=convert_extra,
     model_classes=("omnitide_mlx.models.qwen3_omni.model:Model",))
