@@ -36,3 +36,20 @@ def test_the_engine_passes_deepstack_to_the_thinker(q3):
     assert np.abs(got - want).max() <= TOL
     # DeepStack matters at this checkpoint: without it the logits are far off (the test can fail)
     assert np.abs(got - reference(model, proc, steps, deepstack=False)).max() > 100 * TOL
+
+
+def test_save_restore_after_evictions_continues_with_identical_logits_and_answers(q3, tmp_path):
+    """OmniPick evicts (fourteen small units over the high watermark), the session is saved and restored, and both continue with
+    the same DeepStack-fed logits and the same greedy answer."""
+    model, proc = q3
+    s = OmniSession((model, proc), policy="omnitide", high=300, low=280)
+    for i in range(14):
+        s.push(frame=frame(i), audio=audio(i), t=float(i))
+    s.answer("Hello?", max_tokens=3)
+    assert s.stats()["evictions"] > 0
+    r = OmniSession.restore(s.save(tmp_path / "sess"), model=(model, proc))
+    assert r.history.to_json() == s.history.to_json()
+    for sess in (s, r):
+        sess.push(frame=frame(9), audio=audio(9), t=14.0)
+    np.testing.assert_array_equal(np.array(s._last_logits), np.array(r._last_logits))
+    assert s.answer("What now?", max_tokens=4) == r.answer("What now?", max_tokens=4)
