@@ -61,11 +61,14 @@ class Backend(Protocol):
         layout depends on the saved table (the torch OmniPage migration mode) adopts it here."""
 
     # --- steps -----------------------------------------------------------------------------------------------
-    def forward(self, model, cache, embeds, positions: np.ndarray, *, hidden: bool = False) -> tuple[Any, Any]:
+    def forward(self, model, cache, embeds, positions: np.ndarray, *, hidden: bool = False,
+                extras: dict | None = None) -> tuple[Any, Any]:
         """Prefill ``embeds`` ``[T, hidden]`` at ``positions`` ``[axes, T]`` into ``cache``; returns the last
         token's logits ``[vocab]`` and, with ``hidden``, the final-norm hidden states ``[T, hidden]`` (None
-        from a backend that does not keep them). Evaluation may still be running (``eval`` waits). A failed
-        forward leaves the cache as it was."""
+        from a backend that does not keep them). ``extras``: the unit's ``PreparedUnit.extras``; the entries
+        whose names are keyword arguments of the model's language model are passed to it (Qwen3-Omni's
+        ``deepstack``: visual features added after its first decoder layers). Evaluation may still be running
+        (``eval`` waits). A failed forward leaves the cache as it was."""
 
     def eval(self, *arrays) -> None:
         """Wait until ``arrays`` (None entries ignored) are computed."""

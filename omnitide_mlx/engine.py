@@ -231,10 +231,12 @@ class StreamingSession(Persistence, Inbox, Retention, Replies, Recall):
         return {"kv_bits": int(bits), "kv_group_size": int(group_size), "keep_sinks_full": bool(keep_sinks_full)}
 
     # --- the backend's steps, as the engine takes them ---------------------------------------------------------
-    def _forward(self, embeds, positions: np.ndarray):
+    def _forward(self, embeds, positions: np.ndarray, extras: dict | None = None):
         """Prefill ``embeds`` ``[T, hidden]`` at ``positions`` ``[axes, T]``; return the last token's logits (and
-        keep the hidden states while ``_capture_hidden`` is set)."""
-        logits, hidden = self.backend.forward(self.model, self.cache, embeds, positions, hidden=self._capture_hidden)
+        keep the hidden states while ``_capture_hidden`` is set). ``extras``: the unit's, for the backend to pass
+        the model inputs among them (``Backend.forward``)."""
+        logits, hidden = self.backend.forward(self.model, self.cache, embeds, positions, hidden=self._capture_hidden,
+                                              extras=extras)
         if self._capture_hidden:
             self._hidden = hidden
         return logits

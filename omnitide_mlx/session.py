@@ -11,6 +11,7 @@ MLX backend (backend.py's protocol): the OmniCache, the model call, mlx-lm's sam
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import mlx.core as mx
@@ -46,6 +47,16 @@ def keep_cpu_buffers(limit: int = CPU_BUFFER_CACHE_BYTES) -> None:
     if previous > limit:
         mx.set_cache_limit(previous)
 
+
+
+def language_model_inputs(fn, extras: dict | None) -> dict:
+    """The entries of a unit's ``extras`` that ``fn`` (a language model's forward) names as keyword arguments:
+    model inputs an adapter prepares beside the embeddings (Qwen3-Omni's ``deepstack``), passed on without the
+    engine asking which model it has; the rest (encoder timings, token counts) is bookkeeping."""
+    if not extras:
+        return {}
+    names = inspect.signature(fn).parameters
+    return {k: v for k, v in extras.items() if k in names and v is not None}
 
 class MlxBackend:
     """The MLX backend (backend.py's protocol): the MLX ports, the OmniCache, mlx-lm's samplers, MLX safetensors."""
@@ -104,15 +115,16 @@ class MlxBackend:
 
         return RecallStore.load(cache, path, meta)
 
-    def forward(self, model, cache, embeds: mx.array, positions: np.ndarray, *, hidden: bool = False):
+    def forward(self, model, cache, embeds: mx.array, positions: np.ndarray, *, hidden: bool = False,
+                extras: dict | None = None):
         pos = mx.array(positions if positions.shape[0] > 1 else positions[0])
         lm = model.language_model
         if hidden:  # a spoken reply: the talker reads these (same logits as the path below)
-            states = lm.hidden_states(embeds[None], cache, pos)
+            states = lm.hidden_states(embeds[None], cache, pos, **language_model_inputs(lm.hidden_states, extras))
             out = lm.logits(states[:, -1:])[0, -1]
             mx.async_eval(out, states[0])
             return out, states[0]
-        out = lm(embeds[None], cache, pos, last_only=True)[0, -1]
+        out = lm(embeds[None], cache, pos, last_only=True, **language_model_inputs(lm.__call__, extras))[0, -1]
         mx.async_eval(out)
         return out, None
 

@@ -57,11 +57,14 @@ def scoring_session(model, **kwargs):
     class ScoringBackend(MlxBackend):
         step_logits = None
 
-        def forward(self, model, cache, embeds, positions, *, hidden=False):
+        def forward(self, model, cache, embeds, positions, *, hidden=False, extras=None):
             import mlx.core as mx
 
+            from ..session import language_model_inputs
+
             pos = mx.array(positions if positions.shape[0] > 1 else positions[0])
-            logits = model.language_model(embeds[None], cache, pos)[0]
+            lm = model.language_model
+            logits = lm(embeds[None], cache, pos, **language_model_inputs(lm.__call__, extras))[0]
             self.step_logits = logits
             return logits[-1], None
 

@@ -21,7 +21,7 @@ from ..core.shapes import ModelShape
 from ..core.stream_units import MediaSetting, StreamUnits
 
 # the model folders, each with a family.py defining FAMILY (the one line a new model adds)
-FOLDERS = ("qwen2_5_omni", "minicpmo", "llama_gguf")
+FOLDERS = ("qwen2_5_omni", "minicpmo", "llama_gguf", "qwen3_omni")
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ class Retention:
         unit = prepared.to_unit(uid)  # validates spans / positions before the cache is touched
         t0 = time.perf_counter()
         self.cache.set_owner(uid, alloc_class)
-        logits = self._forward(prepared.inputs_embeds, prepared.positions)
+        logits = self._forward(prepared.inputs_embeds, prepared.positions, prepared.extras)
         self.backend.eval(logits)
         self.counters.prefill_ms += (time.perf_counter() - t0) * 1000
         self.history.append(unit)

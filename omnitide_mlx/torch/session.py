@@ -84,7 +84,9 @@ class TorchBackend:
         self.migration = "class_aware" if cache.page_table.placement == "class_aware" else "ordered_suffix"
         return cache
 
-    def forward(self, model, cache, embeds: torch.Tensor, positions: np.ndarray, *, hidden: bool = False):
+    def forward(self, model, cache, embeds: torch.Tensor, positions: np.ndarray, *, hidden: bool = False,
+                extras: dict | None = None):
+        """The torch ports take no model inputs beside the embeddings: ``extras`` is bookkeeping here."""
         try:
             return model.step_logits(embeds, positions, cache), None
         except BaseException:

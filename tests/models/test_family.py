@@ -21,7 +21,7 @@ from omnitide_mlx.models.loading import load_config  # noqa: E402
 FRAME_SIZE = (448, 336)
 # the families whose engine adapter frames a question and a reply exactly as the record's ChatFraming (the
 # simulator's MiniCPM-o framing is the duplex unit protocol; its simplex adapter uses the chat template instead)
-ENGINE_FRAMED = ("qwen2_5_omni", "llama_gguf")
+ENGINE_FRAMED = ("qwen2_5_omni", "llama_gguf", "qwen3_omni")
 
 
 @pytest.fixture(scope="module")

@@ -72,8 +72,8 @@ class StepCounter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward(self, model, cache, embeds, positions, *, hidden=False):
-        out = self.inner.forward(model, cache, embeds, positions, hidden=hidden)  # evaluation already started
+    def forward(self, model, cache, embeds, positions, *, hidden=False, extras=None):
+        out = self.inner.forward(model, cache, embeds, positions, hidden=hidden, extras=extras)  # evaluation already started
         t = int(embeds.shape[0])  # (async): the count overlaps it
         table = cache.page_table
         slots = np.flatnonzero(table.seq >= table.next_seq - t)

@@ -2,8 +2,8 @@
 ``load_model(path, config) -> (Model, Processor)``.
 
 The config, processor and M-RoPE positions are numpy-only; ``Model`` and ``load_model`` pull MLX in when first used.
-The port is self-contained in this folder; the family record that registers it with the engine is described in
-docs/models/qwen3_omni.md.
+The port is self-contained in this folder; family.py is the record that registers it with the engine
+(docs/models/qwen3_omni.md, "The family record").
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def load_model(path: Path, config: dict, *, dtype=None, **kwargs):
 
 def load(path_or_id, *, revision: str | None = None, dtype=None, **kwargs):
     """A local folder or a Hub id (through the local Hugging Face cache; safetensors only, no remote code) ->
-    (Model, Processor). Until the family record registers Qwen3-Omni with ``omnitide_mlx.load`` this is its
-    entry point; a config of another family is refused before any weight is read."""
+    (Model, Processor), as ``omnitide_mlx.load`` gives for a Qwen3-Omni checkpoint; a config of another family is
+    refused before any weight is read."""
     from ..loading import CheckpointError, load_config, resolve_model_path
 
     path = resolve_model_path(path_or_id, revision)

@@ -16,8 +16,8 @@ adapter lays them out with Qwen3-Omni's markers and position rules (rope_index.p
   turn), reply closed by ``<|im_end|>\\n``.
 
 DeepStack: a unit with a frame carries ``extras["deepstack"] = (slots [n] int32, [features [n, hidden] per level])``;
-the prefill must pass it on (``model.language_model(embeds, cache, positions, deepstack=...)``), which the engine
-does not do yet (docs/models/qwen3_omni.md, "What the family record needs").
+the MLX backend passes it on at the prefill (``model.language_model(embeds, cache, positions, deepstack=...)``:
+the language model names the keyword; docs/models/qwen3_omni.md, "The family record").
 
 Streaming N units through a cache gives the logits of one offline forward over the concatenated sequence in which
 every unit's frame is a separate one-patch video (``video_second_per_grid`` 1.0) and its audio a separate clip,

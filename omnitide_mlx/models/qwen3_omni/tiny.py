@@ -295,5 +295,5 @@ def make_tiny_checkpoint(dst, *, tokenizer_dir, seed: int = 0, prefix: bool = Tr
         json.dump(config, f, indent=2)
     with open(dst / "preprocessor_config.json", "w", encoding="utf-8") as f:
         json.dump(PREPROCESSOR_CONFIG, f, indent=2)
-    write_tokenizer(dst, Path(tokenizer_dir))
+    write_tokenizer(dst, Path(tokenizer_dir), vocab=sizes.get("vocab", "tiny"))
     return dst

@@ -1,8 +1,7 @@
 """``omnitide convert`` on a Qwen3-Omni folder: 4-bit experts through MLX's gathered quantised matmul, the routers,
 encoders and norms kept in float, and the folder loads back to exactly the in-memory quantisation.
 
-The CLI finds ports through ``models.MODEL_TYPES``; until the family record registers Qwen3-Omni there, the test
-adds the entries itself (a no-op once they are registered)."""
+The CLI finds the port through its family record (models/qwen3_omni/family.py)."""
 
 import json
 
@@ -11,17 +10,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from omnitide_mlx import models
 from omnitide_mlx.cli import main as cli_main
 from omnitide_mlx.models.qwen3_omni import load
 
 GROUP = 32  # the tiny experts are 32 wide; the released ones (768) take the default 64
-
-
-@pytest.fixture
-def registered(monkeypatch):
-    for t in ("qwen3_omni_moe", "qwen3_omni_moe_thinker"):
-        monkeypatch.setitem(models.MODEL_TYPES, t, "omnitide_mlx.models.qwen3_omni")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +25,7 @@ def inputs(q3):
                 "<|im_start|>assistant\n", images=[img])
 
 
-def test_four_bit_conversion_round_trips(tmp_path, q3_ckpt, q3, inputs, registered):
+def test_four_bit_conversion_round_trips(tmp_path, q3_ckpt, q3, inputs):
     out = tmp_path / "q4"
     assert cli_main(["convert", "--model", str(q3_ckpt), "--mlx-path", str(out), "-q", "--q-group-size",
                      str(GROUP)]) == 0
@@ -87,18 +79,19 @@ def test_quantised_experts_match_a_dequantised_reference(q3):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
-def test_converted_folder_speaks_with_saved_speech(tmp_path, q3_ckpt, q3, registered):
-    """``omnitide convert`` writes the thinker; ``save_speech`` adds the talker and Code2Wav under ``speech/``,
-    from where ``load_speech`` reads them (a converted folder without them says so)."""
-    from omnitide_mlx.models.loading import CheckpointError
-    from omnitide_mlx.models.qwen3_omni.speech import load_speech, save_speech
+def test_converted_folder_speaks(tmp_path, q3_ckpt, q3):
+    """``omnitide convert`` writes the thinker and, through the family record's ``convert_extra``, the talker and
+    Code2Wav under ``speech/``, from where ``load_speech`` reads them; a -Thinking folder converts without."""
+    from omnitide_mlx.models.family import get_family
+    from omnitide_mlx.models.qwen3_omni.speech import SPEECH_DIR, load_speech
 
     out = tmp_path / "f"
     assert cli_main(["convert", "--model", str(q3_ckpt), "--mlx-path", str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
-    with pytest.raises(CheckpointError, match="missing keys"):
-        load_speech(out, cfg)
-    save_speech(q3_ckpt, out)
+    assert (out / SPEECH_DIR / "model.safetensors").is_file()
+    thinking = get_family("qwen3_omni").write_tiny(tmp_path / "thinking")
+    assert cli_main(["convert", "--model", str(thinking), "--mlx-path", str(tmp_path / "t")]) == 0
+    assert not (tmp_path / "t" / SPEECH_DIR).exists()
     model, proc = load(out)
     inputs = proc("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     reply = [40, 41, 42, 1002]
