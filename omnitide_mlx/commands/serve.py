@@ -136,6 +136,10 @@ def run(args) -> int:
         print(f"omnitide serve: {e}", file=sys.stderr)
         return 1
     app = create_app(cfg, model, processor)
+    # listening before the address is announced: a client that connects at once waits in the backlog until uvicorn
+    # accepts, instead of being refused (uvicorn calls listen() itself only once its loop runs: the serve tests'
+    # clients raced it, "Connection refused" on the first request)
+    sock.listen(2048)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"omnitide serve: {args.model} on http://{shown}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)

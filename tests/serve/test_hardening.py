@@ -2,11 +2,15 @@
 structured error, and the server (and the WebSocket) goes on afterwards."""
 
 import json
+import pathlib
 import time
 
 import pytest
 
 from test_ws import Client, new_session
+
+REPO = pathlib.Path(__file__).resolve().parents[2]  # (a bare `from conftest import` finds whichever conftest
+# module the whole suite imported last)
 
 
 @pytest.mark.parametrize("body", [b"[" * 200000, b'{"a":' * 40000 + b"1" + b"}" * 40000,
@@ -44,7 +48,6 @@ def test_a_server_restores_its_own_sessions_whatever_the_model_path_looks_like(t
 
     import httpx
 
-    from conftest import REPO
 
     saved = tmp_path / "saved"
     relative = os.path.relpath(tiny_qwen, REPO) + "/"  # the servers run in REPO
@@ -214,7 +217,6 @@ def test_bad_serve_flags_are_usage_errors_before_loading(tmp_path, args, needle)
     import subprocess
     import sys
 
-    from conftest import REPO
 
     r = subprocess.run([sys.executable, "-m", "omnitide_mlx", "serve", "--model", str(tmp_path / "missing"), *args],
                        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
@@ -227,7 +229,6 @@ def test_a_session_dir_that_is_a_file_is_a_clear_error(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
 
     f = tmp_path / "afile"
     f.write_text("x")
@@ -308,7 +309,6 @@ def test_voice_files_the_operator_allows_are_checked_before_loading(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
 
     for flag in (f"calm={tmp_path / 'missing.safetensors'}", "calm", f"../x={tmp_path}"):
         r = subprocess.run([sys.executable, "-m", "omnitide_mlx", "serve", "--model", str(tmp_path / "m"),
